@@ -1,0 +1,49 @@
+"""Counters of what the limiter did, per user and in total (pure, no vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class UserCounters:
+    """Cumulative events of one user (or, in ``Accounting.total``, of everyone)."""
+
+    charged: int = 0  #: tokens charged (a sampling step dispatched or tried)
+    refunds: int = 0  #: charges given back (charged, then not dispatched)
+    throttled_skips: int = 0  #: requests passed over in a step for lack of budget
+    throttled_preemptions: int = 0  #: parked requests chosen as preemption victims
+
+    def add(self, other: UserCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Accounting:
+    """Per-user and total counters; per-user entries can be forgotten (idle users)
+    while the totals keep counting."""
+
+    def __init__(self) -> None:
+        self.total = UserCounters()
+        self._users: dict[str, UserCounters] = {}
+
+    def of(self, user: str) -> UserCounters:
+        """A copy of ``user``'s counters (zeros for an unknown user)."""
+        counters = UserCounters()
+        counters.add(self._users.get(user, UserCounters()))
+        return counters
+
+    def users(self) -> list[str]:
+        return list(self._users)
+
+    def record(self, user: str, event: str, count: int = 1) -> None:
+        """Adds ``count`` to counter ``event`` (a ``UserCounters`` field name)."""
+        counters = self._users.get(user)
+        if counters is None:
+            counters = self._users[user] = UserCounters()
+        setattr(counters, event, getattr(counters, event) + count)
+        setattr(self.total, event, getattr(self.total, event) + count)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drops per-user entries of users not in ``keep``."""
+        self._users = {u: c for u, c in self._users.items() if u in keep}

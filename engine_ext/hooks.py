@@ -1,0 +1,218 @@
+"""Runtime hooks into vLLM 0.32 where it offers no extension point.
+
+Installed by the ``vllm.general_plugins`` entry point (``engine_ext.plugin``) in
+every vLLM process. Each hook wraps one vLLM function, calls the original, and is
+idempotent. ``install()`` fails loudly if an internal it wraps has moved, so a new
+vLLM version breaks at start-up, not at the first throttled request.
+
+- ``EngineArgs.add_cli_args``: adds our flags to every vLLM parser (``vllm serve``,
+  ``python -m engine_ext.serve``); the plugin hook runs right before upstream
+  builds its parser, which is the moment vLLM documents for plugins to extend it.
+- ``EngineArgs.from_cli_args``: moves our flags into ``additional_config`` (the
+  field vLLM carries to the engine-core process) and adds the HTTP guard
+  middleware to the API server's ``--middleware`` list.
+- ``EngineArgs.create_engine_config``: once vLLM has resolved the config (async
+  scheduling, DP, spec decode...), refuses unsupported combinations and selects
+  our scheduler variant.
+- ``EngineCoreProc._process_engine_step``: when a step ran no model because every
+  ready request was throttled, block on the input queue instead of vLLM's 1 ms
+  polling sleep (see ``idle_wait_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine_ext.config import (
+    DEFAULT_RATE_FLAG,
+    USER_RATES_FLAG,
+    OutputRateConfig,
+    OutputRateConfigError,
+    parse_user_rates,
+)
+from engine_ext.limiter import validate_rate
+from engine_ext.supported import check_supported
+
+#: Upper bound of one idle wait: lets the engine notice asynchronously-ready work
+#: (a compiled structured-output grammar, say) that does not arrive as input.
+IDLE_WAIT_CAP_S = 0.05
+
+HTTP_GUARD = "engine_ext.http_guard.OutputRateRequestGuard"
+_HOOKED = "__output_rate_hook__"
+
+
+def install() -> None:
+    """Installs every hook (idempotent)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCoreProc
+
+    _wrap(EngineArgs, "add_cli_args", _add_cli_args)
+    _wrap(EngineArgs, "from_cli_args", _from_cli_args)
+    _wrap(EngineArgs, "create_engine_config", _create_engine_config)
+    _require(EngineCoreProc, "_handle_client_request")
+    _wrap(EngineCoreProc, "_process_engine_step", _process_engine_step)
+
+
+def _require(owner: type, name: str) -> Any:
+    if not hasattr(owner, name):
+        raise RuntimeError(
+            f"vLLM internals moved: {owner.__module__}.{owner.__qualname__}.{name} "
+            "is gone; engine_ext supports vLLM 0.32.x only"
+        )
+    return getattr(owner, name)
+
+
+def _wrap(owner: type, name: str, wrapper: Callable[..., Any]) -> None:
+    """Replaces ``owner.name`` so that calls go to ``wrapper(original, ...)``.
+
+    For a plain method ``wrapper`` receives ``(original, self, *args)``; for a
+    static or class method ``(original, *args)`` with ``original`` already bound.
+    """
+    _require(owner, name)
+    current = owner.__dict__.get(name)
+    if current is None:
+        raise RuntimeError(
+            f"vLLM internals moved: {owner.__qualname__}.{name} is no longer "
+            "defined on that class; engine_ext supports vLLM 0.32.x only"
+        )
+    if getattr(getattr(current, "__func__", current), _HOOKED, False):
+        return
+    if isinstance(current, staticmethod):
+        original = current.__func__
+
+        def hooked(*args, **kwargs):
+            return wrapper(original, *args, **kwargs)
+
+        replacement: Any = staticmethod(hooked)
+    elif isinstance(current, classmethod):
+        original = current.__func__
+
+        def hooked(cls, *args, **kwargs):
+            return wrapper(functools.partial(original, cls), *args, **kwargs)
+
+        replacement = classmethod(hooked)
+    else:
+        original = current
+
+        def hooked(self, *args, **kwargs):
+            return wrapper(original, self, *args, **kwargs)
+
+        replacement = hooked
+    functools.update_wrapper(hooked, original)
+    setattr(hooked, _HOOKED, True)
+    setattr(owner, name, replacement)
+
+
+# -- command line -----------------------------------------------------------
+
+
+def _rate_arg(raw: str) -> int:
+    try:
+        return validate_rate(int(raw), field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (tokens per second), got {raw!r}: {exc}"
+        ) from None
+
+
+def _user_rates_arg(raw: str) -> str:
+    try:
+        OutputRateConfig(default_rate=1, user_rates=parse_user_rates(raw))
+    except OutputRateConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
+def _add_cli_args(original, parser):
+    parser = original(parser)
+    group = parser.add_argument_group(
+        "Per-user output pacing",
+        "Cap each user's output tokens per second inside the scheduler (GCRA). "
+        "The user is vllm_xargs.output_rate_user (default __anonymous__).",
+    )
+    group.add_argument(
+        DEFAULT_RATE_FLAG,
+        type=_rate_arg,
+        default=None,
+        help="Enables pacing: output tokens/s shared by all requests of a user "
+        "without an explicit limit. Unset: the scheduler behaves as upstream.",
+    )
+    group.add_argument(
+        USER_RATES_FLAG,
+        type=_user_rates_arg,
+        default=None,
+        help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
+    )
+    return parser
+
+
+def _from_cli_args(original, args: argparse.Namespace):
+    engine_args = original(args)
+    config = OutputRateConfig.from_flags(
+        getattr(args, _dest(DEFAULT_RATE_FLAG), None),
+        getattr(args, _dest(USER_RATES_FLAG), None),
+    )
+    if config.enabled:
+        additional = dict(engine_args.additional_config or {})
+        additional["output_rate"] = config.to_additional_config()
+        engine_args.additional_config = additional
+        middleware = getattr(args, "middleware", None)
+        if isinstance(middleware, list) and HTTP_GUARD not in middleware:
+            middleware.append(HTTP_GUARD)
+    return engine_args
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _create_engine_config(original, engine_args, *args, **kwargs):
+    vllm_config = original(engine_args, *args, **kwargs)
+    config = OutputRateConfig.from_additional_config(vllm_config.additional_config)
+    if config.enabled:
+        from engine_ext.scheduler import scheduler_class_for
+
+        check_supported(vllm_config)
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.scheduler_cls = scheduler_class_for(
+            scheduler_config.async_scheduling
+        )
+    return vllm_config
+
+
+# -- engine loop ------------------------------------------------------------
+
+
+def idle_wait_timeout_s(scheduler: object, now_ns: int) -> float | None:
+    """How long the engine may block after a step that ran no model: until the
+    earliest refused user has budget again, at most ``IDLE_WAIT_CAP_S``; ``None``
+    when the scheduler is not waiting on the limiter."""
+    ready_ns = getattr(scheduler, "next_ready_ns", None)
+    if ready_ns is None:
+        return None
+    return min(IDLE_WAIT_CAP_S, max(0, ready_ns - now_ns) / 1e9)
+
+
+def wait_for_input(engine, timeout_s: float) -> bool:
+    """Blocks on the engine's input queue for up to ``timeout_s``; a new request
+    or an abort ends the wait at once and is handled. Returns whether one came."""
+    try:
+        request = engine.input_queue.get(timeout=timeout_s)
+    except queue.Empty:
+        return False
+    engine._handle_client_request(*request)
+    return True
+
+
+def _process_engine_step(original, engine) -> bool:
+    model_executed = original(engine)
+    if not model_executed:
+        timeout_s = idle_wait_timeout_s(engine.scheduler, time.monotonic_ns())
+        if timeout_s:
+            wait_for_input(engine, timeout_s)
+    return model_executed

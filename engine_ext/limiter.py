@@ -1,0 +1,214 @@
+"""Per-user output-token limiter: GCRA with one theoretical arrival time per user.
+
+Vocabulary (GCRA, translated once into token-bucket terms):
+
+- *emission interval* ``T = 1/rate`` seconds: the pace at which a user earns one token.
+- *theoretical arrival time* ``TAT``: when the user's bucket will be full again; a
+  token taken advances it by ``T``.
+- *delay variation tolerance* ``burst`` (100 ms): how far ahead of now the TAT may
+  run, i.e. the bucket depth measured in time.
+
+A token is allowed at ``now`` iff ``TAT - now <= burst``. Consequence: any window of
+``W`` seconds holds at most ``(W + burst) * rate + 1`` granted tokens, and a user who
+asks continuously gets at least ``W * rate - 1``.
+
+Every time is stored multiplied by the user's rate (``scaled = ns * tokens/s``), so
+advancing by ``1/rate`` seconds is adding exactly ``NS_PER_S``: integers only, no
+rounding drift however long a user streams. Python ints never overflow, which is why
+scaled values must not leave the process (see the control plane's duration fields).
+
+The limiter never reads a clock: ``now_ns`` comes in with every call (a monotonic
+clock in nanoseconds). It is not thread-safe; its owner serialises access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NS_PER_S = 1_000_000_000
+DEFAULT_BURST_NS = 100_000_000
+#: Rates above this are rejected as misconfiguration (no engine samples this fast
+#: for one user, and a typo like an extra few zeros should fail loudly).
+MAX_RATE = 1_000_000
+
+
+def validate_rate(rate: object, *, field: str = "rate") -> int:
+    """Return ``rate`` if it is a valid tokens-per-second limit, else raise ValueError.
+
+    Valid: an ``int`` (not ``bool``) in ``1..MAX_RATE``.
+    """
+    if isinstance(rate, bool) or not isinstance(rate, int):
+        raise ValueError(
+            f"{field} must be a positive integer (tokens per second), "
+            f"got {rate!r} of type {type(rate).__name__}"
+        )
+    if not 1 <= rate <= MAX_RATE:
+        raise ValueError(f"{field} must be between 1 and {MAX_RATE}, got {rate}")
+    return rate
+
+
+@dataclass
+class _Cell:
+    """One user's GCRA state: the TAT scaled by the rate it was stored under."""
+
+    scaled_tat: int
+    rate: int
+
+
+class OutputRateLimiter:
+    """Per-user GCRA limiter for output tokens; one budget shared by all of a
+    user's requests.
+
+    ``default_rate=None`` means the feature is off: every ``try_take`` succeeds.
+    ``user_rates`` overrides the default for named users.
+    """
+
+    def __init__(
+        self,
+        default_rate: int | None,
+        user_rates: dict[str, int],
+        burst_ns: int = DEFAULT_BURST_NS,
+    ) -> None:
+        if default_rate is not None:
+            validate_rate(default_rate, field="default_rate")
+        for user, rate in user_rates.items():
+            validate_rate(rate, field=f"rate of user {user!r}")
+        if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns < 0:
+            raise ValueError(
+                f"burst_ns must be a non-negative integer, got {burst_ns!r}"
+            )
+        self._default_rate = default_rate
+        self._user_rates = dict(user_rates)
+        self._burst_ns = burst_ns
+        self._cells: dict[str, _Cell] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether limiting is on (a default rate is set)."""
+        return self._default_rate is not None
+
+    @property
+    def default_rate(self) -> int | None:
+        return self._default_rate
+
+    @property
+    def burst_ns(self) -> int:
+        return self._burst_ns
+
+    @property
+    def user_rates(self) -> dict[str, int]:
+        """A copy of the explicit per-user limits."""
+        return dict(self._user_rates)
+
+    def tracked_users(self) -> int:
+        """How many users currently hold GCRA state."""
+        return len(self._cells)
+
+    def rate_of(self, user: str) -> int:
+        """The limit that applies to ``user`` in tokens/s; 0 when limiting is off."""
+        rate = self._user_rates.get(user, self._default_rate)
+        return 0 if rate is None else rate
+
+    def try_take(self, user: str, now_ns: int) -> bool:
+        """Reports whether ``user`` may output one token at ``now_ns``, and if so
+        charges it (advances the TAT by one emission interval)."""
+        rate = self.rate_of(user)
+        if rate == 0:
+            return True
+        cell = self._cell(user, rate, now_ns)
+        scaled_now = now_ns * rate
+        tat = max(cell.scaled_tat, scaled_now)
+        if tat - scaled_now > self._burst_ns * rate:
+            return False
+        cell.scaled_tat = tat + NS_PER_S
+        return True
+
+    def refund(self, user: str, now_ns: int) -> None:
+        """Gives back one token charged to ``user`` (a charged step that was not
+        dispatched). The TAT never moves below ``now_ns``: a refund cannot create
+        budget that was never earned."""
+        rate = self.rate_of(user)
+        cell = self._cells.get(user)
+        if rate == 0 or cell is None:
+            return
+        cell = self._cell(user, rate, now_ns)
+        cell.scaled_tat = max(cell.scaled_tat - NS_PER_S, now_ns * rate)
+
+    def ready_at_ns(self, user: str, now_ns: int) -> int:
+        """The earliest time, not before ``now_ns``, at which ``try_take(user)``
+        succeeds: ``TAT - burst`` rounded up to the next whole nanosecond."""
+        rate = self.rate_of(user)
+        cell = self._cells.get(user)
+        if rate == 0 or cell is None:
+            return now_ns
+        cell = self._cell(user, rate, now_ns)
+        ready = -(-(cell.scaled_tat - self._burst_ns * rate) // rate)  # ceil division
+        return max(ready, now_ns)
+
+    def lead_ns(self, user: str, now_ns: int) -> int:
+        """How far the user's TAT runs ahead of ``now_ns`` (0 when the bucket is
+        full), rounded up."""
+        rate = self.rate_of(user)
+        cell = self._cells.get(user)
+        if rate == 0 or cell is None:
+            return 0
+        cell = self._cell(user, rate, now_ns)
+        return max(0, -(-(cell.scaled_tat - now_ns * rate) // rate))
+
+    def set_rate(self, user: str, rate: int | None, now_ns: int) -> None:
+        """Sets ``user``'s explicit limit; ``None`` removes it (the default applies).
+
+        The user's token debt is kept: ``new scaled TAT = now*r' + max(0, TAT*r -
+        now*r)``. The debt ``TAT*r - now*r`` counts owed tokens (times ``NS_PER_S``)
+        and does not depend on the rate, so raising a limit pays the debt off
+        faster at once, and lowering one grants no fresh burst.
+        """
+        if rate is not None:
+            validate_rate(rate, field=f"rate of user {user!r}")
+            self._user_rates[user] = rate
+        else:
+            self._user_rates.pop(user, None)
+        self._rescale(user, now_ns)
+
+    def set_default_rate(self, rate: int, now_ns: int) -> None:
+        """Sets the default limit (turning limiting on); users with an explicit
+        limit are unaffected, the others keep their token debt as in ``set_rate``."""
+        validate_rate(rate, field="default_rate")
+        self._default_rate = rate
+        for user in list(self._cells):
+            if user not in self._user_rates:
+                self._rescale(user, now_ns)
+
+    def cleanup_idle_users(self, now_ns: int) -> int:
+        """Drops users whose TAT is not ahead of ``now_ns`` and returns how many.
+
+        A dropped user who returns starts at ``TAT = now``, exactly what the kept
+        state would give (``max(TAT, now)``), so cleaning never changes behaviour.
+        """
+        idle = [
+            user
+            for user, cell in self._cells.items()
+            if cell.scaled_tat <= now_ns * cell.rate
+        ]
+        for user in idle:
+            del self._cells[user]
+        return len(idle)
+
+    def _cell(self, user: str, rate: int, now_ns: int) -> _Cell:
+        """Returns ``user``'s cell stored under ``rate``, creating or rescaling it.
+
+        Requires ``rate > 0``.
+        """
+        cell = self._cells.get(user)
+        if cell is None:
+            cell = self._cells[user] = _Cell(scaled_tat=now_ns * rate, rate=rate)
+        elif cell.rate != rate:
+            debt = max(0, cell.scaled_tat - now_ns * cell.rate)
+            cell.scaled_tat = now_ns * rate + debt
+            cell.rate = rate
+        return cell
+
+    def _rescale(self, user: str, now_ns: int) -> None:
+        rate = self.rate_of(user)
+        if user in self._cells and rate > 0:
+            self._cell(user, rate, now_ns)

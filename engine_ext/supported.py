@@ -1,0 +1,66 @@
+"""Configurations per-user output pacing refuses, checked once vLLM has resolved
+its config (each check names the option to change)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_ext.config import OutputRateConfigError
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Raises OutputRateConfigError for the first unsupported setting."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    refusals = [
+        (
+            vllm_config.speculative_config is not None,
+            "--speculative-config: a speculative step may emit several tokens "
+            "but is charged one",
+        ),
+        (
+            parallel.data_parallel_size > 1,
+            "--data-parallel-size > 1: each rank would hold its own limiter and "
+            "multiply every user's budget",
+        ),
+        (
+            parallel.pipeline_parallel_size > 1,
+            "--pipeline-parallel-size > 1: several batches in flight are not supported",
+        ),
+        (model.is_multimodal_model, "multimodal models are not supported"),
+        (model.is_encoder_decoder, "encoder-decoder models are not supported"),
+        (model.is_hybrid, "hybrid (attention + state-space) models are not supported"),
+        (model.is_attention_free, "attention-free models are not supported"),
+        (
+            model.is_diffusion or vllm_config.diffusion_config is not None,
+            "diffusion models are not supported",
+        ),
+        (
+            vllm_config.cache_config.kv_offloading_size is not None,
+            "--kv-offloading-size: KV offload is not supported",
+        ),
+        (
+            vllm_config.kv_transfer_config is not None,
+            "--kv-transfer-config: KV connectors are not supported",
+        ),
+        (
+            vllm_config.ec_transfer_config is not None,
+            "--ec-transfer-config: EC connectors are not supported",
+        ),
+        (
+            vllm_config.aux_output_config.enabled,
+            "aux output connectors (e.g. --enable-return-routed-experts) are not "
+            "supported",
+        ),
+        (
+            vllm_config.scheduler_config.scheduler_cls is not None,
+            "--scheduler-cls: per-user output pacing brings its own scheduler and "
+            "cannot be combined with another one",
+        ),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise OutputRateConfigError(
+                f"per-user output pacing (--default-user-output-tokens-per-second) "
+                f"cannot run with {reason}"
+            )

@@ -1,0 +1,203 @@
+"""Drives vLLM's real Scheduler / AsyncScheduler and KV-cache manager offline:
+requests in, controlled model-runner outputs back, time from a fake clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+
+BLOCK_SIZE = 16
+MS = 1_000_000
+
+
+class FakeClock:
+    """Monotonic nanoseconds that only move when a test says so."""
+
+    def __init__(self, start_ns: int = 1_000_000_000_000) -> None:
+        self.now_ns = start_ns
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance_ms(self, ms: float) -> None:
+        self.now_ns += int(ms * MS)
+
+
+def make_scheduler(
+    model_dir: str,
+    *,
+    async_scheduling: bool = False,
+    default_rate: int | None = 100,
+    user_rates: dict[str, int] | None = None,
+    max_num_seqs: int = 16,
+    max_num_active_seqs: int | None = None,
+    max_num_batched_tokens: int = 512,
+    num_blocks: int = 1000,
+    enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
+    policy: str = "fcfs",
+    scheduler_cls: type | None = None,
+    clock: FakeClock | None = None,
+):
+    """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
+    pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's)."""
+    model_config = ModelConfig(model=model_dir, max_model_len=512, dtype="float32")
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=max_num_active_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=512,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        policy=policy,
+        async_scheduling=async_scheduling,
+    )
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache_config.num_gpu_blocks = num_blocks
+    additional = {}
+    if default_rate is not None:
+        additional["output_rate"] = {
+            "default_rate": default_rate,
+            "user_rates": user_rates or {},
+        }
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        additional_config=additional,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer.0"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE,
+                    num_kv_heads=1,
+                    head_size=64,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+    if scheduler_cls is None:
+        scheduler_cls = (
+            OutputRateAsyncScheduler if async_scheduling else OutputRateScheduler
+        )
+    scheduler = scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=False,
+    )
+    if clock is not None:
+        scheduler.clock = clock
+    return scheduler
+
+
+_ids = itertools.count()
+
+
+def make_request(
+    user: str | None,
+    *,
+    prompt_len: int = 8,
+    max_tokens: int = 1000,
+    priority: int = 0,
+    request_id: str | None = None,
+) -> Request:
+    extra_args = {"output_rate_user": user} if user is not None else None
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
+    n = next(_ids)
+    rid = request_id or f"req-{n}"
+    return Request(
+        request_id=rid,
+        prompt_token_ids=[(i % 50) + 10 for i in range(prompt_len)],
+        sampling_params=params,
+        pooling_params=None,
+        priority=priority,
+        arrival_time=float(n),
+    )
+
+
+def model_output_for(scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
+    """What a model runner would return: one token for every request whose
+    scheduled tokens reach the end of its known sequence, none for a middle
+    prefill chunk."""
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        # Set by upstream after schedule(): the step ends inside the prefill.
+        sampled.append([] if scheduler.requests[rid].is_prefill_chunk else [7])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+
+
+@dataclass
+class Driver:
+    """Steps a scheduler like the engine core does: synchronous, or with one
+    step in flight (async scheduling). Records each step's output."""
+
+    scheduler: object
+    clock: FakeClock
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+    _in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = field(
+        default_factory=list
+    )
+
+    @property
+    def is_async(self) -> bool:
+        return isinstance(self.scheduler, OutputRateAsyncScheduler) or (
+            type(self.scheduler).__name__ == "AsyncScheduler"
+        )
+
+    def add(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def step(self, step_ms: float = 10.0) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        self.outputs.append(output)
+        runner_output = model_output_for(self.scheduler, output)
+        if self.is_async:
+            self._in_flight.append((output, runner_output))
+            if len(self._in_flight) > 1:
+                self.scheduler.update_from_output(*self._in_flight.pop(0))
+        else:
+            self.scheduler.update_from_output(output, runner_output)
+        self.clock.advance_ms(step_ms)
+        return output
+
+    def run(self, steps: int, step_ms: float = 10.0) -> list[SchedulerOutput]:
+        return [self.step(step_ms) for _ in range(steps)]
+
+
+def sampled_by(scheduler, output: SchedulerOutput) -> list[str]:
+    """Request ids that will sample a token in this step's dispatch."""
+    return [
+        rid
+        for rid in output.num_scheduled_tokens
+        if rid in scheduler.requests and not scheduler.requests[rid].is_prefill_chunk
+    ]
