@@ -126,7 +126,9 @@ def make_request(
     request_id: str | None = None,
 ) -> Request:
     extra_args = {"output_rate_user": user} if user is not None else None
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
+    )
     n = next(_ids)
     rid = request_id or f"req-{n}"
     return Request(
@@ -163,6 +165,8 @@ class Driver:
     scheduler: object
     clock: FakeClock
     outputs: list[SchedulerOutput] = field(default_factory=list)
+    #: Per step, the request ids whose dispatch samples a token.
+    sampled: list[list[str]] = field(default_factory=list)
     _in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = field(
         default_factory=list
     )
@@ -180,6 +184,7 @@ class Driver:
     def step(self, step_ms: float = 10.0) -> SchedulerOutput:
         output = self.scheduler.schedule()
         self.outputs.append(output)
+        self.sampled.append(sampled_by(self.scheduler, output))
         runner_output = model_output_for(self.scheduler, output)
         if self.is_async:
             self._in_flight.append((output, runner_output))
@@ -190,12 +195,18 @@ class Driver:
         self.clock.advance_ms(step_ms)
         return output
 
+    def step_sampled(self, step_ms: float = 10.0) -> list[str]:
+        """Steps once; returns the request ids that sampled in that step."""
+        self.step(step_ms)
+        return self.sampled[-1]
+
     def run(self, steps: int, step_ms: float = 10.0) -> list[SchedulerOutput]:
         return [self.step(step_ms) for _ in range(steps)]
 
 
 def sampled_by(scheduler, output: SchedulerOutput) -> list[str]:
-    """Request ids that will sample a token in this step's dispatch."""
+    """Request ids that will sample a token in this step's dispatch (call right
+    after ``schedule()``, before the step's output is applied)."""
     return [
         rid
         for rid in output.num_scheduled_tokens

@@ -1,0 +1,116 @@
+"""Client-side measurement of per-user output rates against an OpenAI-compatible
+server: concurrent streams, exact token counts from ``continuous_usage_stats``,
+rate = tokens over the span from a user's first to last token (the article's
+definition)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from engine_ext.identity import USER_FIELD
+
+
+@dataclass
+class StreamResult:
+    """One streamed completion: when each token arrived (monotonic seconds)."""
+
+    user: str | None
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class UserRate:
+    user: str | None
+    tokens: int  #: N: tokens over all of the user's streams
+    span_s: float  #: W: first to last token of the user, in seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.span_s if self.span_s > 0 else float("inf")
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    model: str,
+    user: str | None,
+    max_tokens: int,
+    prompt: str = "hello world",
+) -> StreamResult:
+    """Streams one ``/v1/completions`` request with ``ignore_eos`` and records the
+    arrival time of every token."""
+    body: dict = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if user is not None:
+        body["vllm_xargs"] = {USER_FIELD: user}
+    result = StreamResult(user=user)
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for data in _sse_data(response):
+            now = time.monotonic()
+            chunk = json.loads(data)
+            usage = chunk.get("usage") or {}
+            count = usage.get("completion_tokens", result.completion_tokens)
+            result.token_times.extend([now] * (count - result.completion_tokens))
+            result.completion_tokens = count
+            for choice in chunk.get("choices") or []:
+                result.finish_reason = (
+                    choice.get("finish_reason") or result.finish_reason
+                )
+    return result
+
+
+async def _sse_data(response: httpx.Response):
+    """Yields the ``data:`` payloads of a server-sent event stream.
+
+    Splits on ``\n`` only: generated text may hold characters that
+    ``str.splitlines`` (and so ``aiter_lines``) treats as line breaks.
+    """
+    buffer = b""
+    async for raw in response.aiter_bytes():
+        buffer += raw
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield line[len(b"data: ") :].decode()
+
+
+async def run_streams(
+    base_url: str,
+    model: str,
+    streams: Sequence[tuple[str | None, int]],
+    timeout_s: float = 300.0,
+) -> list[StreamResult]:
+    """Runs one stream per ``(user, max_tokens)`` entry, all at once."""
+    limits = httpx.Limits(max_connections=len(streams) + 4)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout_s, limits=limits
+    ) as client:
+        return await asyncio.gather(
+            *(stream_completion(client, model, user, n) for user, n in streams)
+        )
+
+
+def rates_by_user(results: Sequence[StreamResult]) -> dict[str | None, UserRate]:
+    """Per user: N tokens over the span W from its first to its last token."""
+    times: dict[str | None, list[float]] = {}
+    for result in results:
+        times.setdefault(result.user, []).extend(result.token_times)
+    return {
+        user: UserRate(user=user, tokens=len(ts), span_s=max(ts) - min(ts))
+        for user, ts in times.items()
+        if ts
+    }

@@ -1,0 +1,509 @@
+"""Scheduling rules (SPEC §2-§5) on vLLM's real Scheduler / AsyncScheduler and KV
+manager, with controlled model-runner outputs and a fake clock."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from engine_ext.limiter import OutputRateLimiter
+from engine_ext.scheduler import (
+    OutputRateAsyncScheduler,
+    OutputRateScheduler,
+    scheduler_class_for,
+)
+from tests.scheduler_harness import (
+    Driver,
+    FakeClock,
+    make_request,
+    make_scheduler,
+)
+
+MODES = pytest.mark.parametrize(
+    "async_scheduling", [False, True], ids=["sync", "async"]
+)
+
+
+def setup(tiny_model_dir, async_scheduling, **kwargs):
+    clock = FakeClock()
+    scheduler = make_scheduler(
+        tiny_model_dir, async_scheduling=async_scheduling, clock=clock, **kwargs
+    )
+    return scheduler, Driver(scheduler, clock)
+
+
+class CountingLimiter(OutputRateLimiter):
+    """The real limiter, counting calls per user."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.try_take_calls: Counter[str] = Counter()
+
+    def try_take(self, user: str, now_ns: int) -> bool:
+        self.try_take_calls[user] += 1
+        return super().try_take(user, now_ns)
+
+
+def test_scheduler_variant_matches_async_scheduling():
+    assert scheduler_class_for(True) is OutputRateAsyncScheduler
+    assert scheduler_class_for(False) is OutputRateScheduler
+    assert issubclass(OutputRateAsyncScheduler, AsyncScheduler)
+    assert issubclass(OutputRateScheduler, Scheduler)
+
+
+@MODES
+def test_decode_steps_charge_one_token_each(tiny_model_dir, async_scheduling):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=100_000)
+    driver.add([make_request("u", prompt_len=8, max_tokens=20)])
+    sampling_dispatches = 0
+    for _ in range(40):
+        sampling_dispatches += len(driver.step_sampled())
+    counters = scheduler.accounting.of("u")
+    assert sampling_dispatches >= 20
+    assert counters.charged == sampling_dispatches
+    assert counters.refunds == 0
+
+
+@MODES
+def test_middle_prefill_chunks_are_free_and_last_chunk_charges(
+    tiny_model_dir, async_scheduling
+):
+    # 100 prompt tokens, 32 per step: chunks 32, 32, 32, 4; only the last samples.
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=100_000,
+        max_num_batched_tokens=32,
+    )
+    driver.add([make_request("u", prompt_len=100, max_tokens=1)])
+    charged_after = []
+    for _ in range(4):
+        driver.step()
+        charged_after.append(scheduler.accounting.of("u").charged)
+    assert [out.total_num_scheduled_tokens for out in driver.outputs] == [32, 32, 32, 4]
+    assert charged_after == [0, 0, 0, 1]
+
+
+@MODES
+def test_refused_chunked_prefill_stops_at_second_to_last_position(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=1)
+    # Spend the burst (0.1 s * 1 tok/s + 1 token) with a first request.
+    driver.add([make_request("u", prompt_len=4, max_tokens=50)])
+    driver.step()
+    late = make_request("u", prompt_len=40, max_tokens=5)
+    driver.add([late])
+    output = driver.step()
+    assert output.num_scheduled_tokens.get(late.request_id) == 39
+    assert late.num_computed_tokens == 39
+    assert scheduler.accounting.of("u").charged == 1
+
+
+@MODES
+def test_without_chunked_prefill_a_refused_prefill_waits_whole(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=1,
+        enable_chunked_prefill=False,
+    )
+    driver.add([make_request("u", prompt_len=4, max_tokens=50)])
+    driver.step()
+    late = make_request("u", prompt_len=40, max_tokens=5)
+    driver.add([late])
+    output = driver.step()
+    assert late.request_id not in output.num_scheduled_tokens
+    assert late.num_computed_tokens == 0
+
+
+@MODES
+def test_charges_equal_sampling_dispatches_so_nothing_is_charged_twice(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir, async_scheduling, default_rate=30, user_rates={"b": 500}
+    )
+    requests = [make_request("a", max_tokens=200) for _ in range(4)]
+    requests += [make_request("b", max_tokens=200) for _ in range(3)]
+    user_of = {
+        r.request_id: r.sampling_params.extra_args["output_rate_user"] for r in requests
+    }
+    driver.add(requests)
+    dispatched = Counter()
+    for _ in range(200):
+        for rid in driver.step_sampled(step_ms=7):
+            dispatched[user_of[rid]] += 1
+    for user in ("a", "b"):
+        counters = scheduler.accounting.of(user)
+        assert counters.charged - counters.refunds == dispatched[user]
+    assert scheduler.accounting.of("a").throttled_skips > 0
+
+
+@MODES
+def test_a_refused_user_is_asked_once_per_step(tiny_model_dir, async_scheduling):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=5)
+    scheduler.limiter = CountingLimiter(5, {})
+    driver.add(make_request("u", max_tokens=100) for _ in range(6))
+    for _ in range(30):
+        before = scheduler.limiter.try_take_calls["u"]
+        granted = len(driver.step_sampled(step_ms=5))
+        calls = scheduler.limiter.try_take_calls["u"] - before
+        # Every granted token is one call; at most one more call was refused.
+        assert granted <= calls <= granted + 1
+
+
+@MODES
+def test_refund_when_kv_allocation_fails_after_charge(tiny_model_dir, async_scheduling):
+    # 3 blocks of 16 tokens: two requests decoding past 24 tokens cannot both fit.
+    scheduler, driver = setup(
+        tiny_model_dir, async_scheduling, default_rate=100_000, num_blocks=4
+    )
+    driver.add(make_request("u", prompt_len=14, max_tokens=40) for _ in range(2))
+    dispatched = 0
+    for _ in range(60):
+        dispatched += len(driver.step_sampled())
+    counters = scheduler.accounting.of("u")
+    assert counters.refunds > 0
+    assert counters.charged - counters.refunds == dispatched
+
+
+@MODES
+def test_refund_when_a_charged_request_is_preempted_in_the_same_step(
+    tiny_model_dir, async_scheduling
+):
+    # PRIORITY: the low-priority request is charged and scheduled first, then
+    # preempted (removed from the step) when the high-priority one needs blocks.
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=100_000,
+        num_blocks=3,
+        policy="priority",
+    )
+    low = make_request("low", prompt_len=15, max_tokens=40, priority=5)
+    high = make_request("high", prompt_len=15, max_tokens=40, priority=0)
+    driver.add([low])
+    driver.step()
+    driver.add([high])
+    for _ in range(40):
+        driver.step()
+    assert scheduler.accounting.of("low").refunds > 0
+    low_net = scheduler.accounting.of("low")
+    assert low_net.charged - low_net.refunds == sum(
+        low.request_id in sampled for sampled in driver.sampled
+    )
+
+
+@MODES
+def test_throttled_requests_do_not_count_against_max_num_active_seqs(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=1,
+        user_rates={"b": 100_000},
+        max_num_seqs=8,
+        max_num_active_seqs=2,
+    )
+    driver.add(make_request("a", prompt_len=4, max_tokens=100) for _ in range(2))
+    driver.run(3)  # a's two streams spend the burst and are now parked
+    assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)
+    b_requests = [make_request("b", prompt_len=4, max_tokens=100) for _ in range(2)]
+    driver.add(b_requests)
+    output = driver.step()
+    # Without the rule, 2 running requests would fill the active cap of 2.
+    assert all(r.request_id in output.num_scheduled_tokens for r in b_requests)
+    assert len(scheduler.running) == 4
+
+
+@MODES
+def test_running_loop_is_capped_at_max_num_active_seqs(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=100_000,
+        max_num_seqs=8,
+        max_num_active_seqs=2,
+    )
+    driver.add(make_request("u", prompt_len=4, max_tokens=100) for _ in range(2))
+    driver.run(2)
+    for output in driver.run(5):
+        assert len(output.num_scheduled_tokens) <= 2
+
+
+@MODES
+def test_throttled_request_is_the_preferred_preemption_victim(
+    tiny_model_dir, async_scheduling
+):
+    # The parked request is the oldest; FCFS would otherwise preempt the newest.
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=100_000,
+        user_rates={"slow": 1},
+        num_blocks=5,
+    )
+    parked = make_request("slow", prompt_len=8, max_tokens=100)
+    driver.add([parked])
+    driver.run(2)
+    fast = [make_request("fast", prompt_len=14, max_tokens=60) for _ in range(2)]
+    driver.add(fast)
+    for _ in range(100):
+        driver.step()
+        if parked.status == RequestStatus.PREEMPTED:
+            break
+    assert parked.status == RequestStatus.PREEMPTED
+    assert all(r.status == RequestStatus.RUNNING for r in fast)
+    assert scheduler.accounting.of("slow").throttled_preemptions == 1
+
+
+@MODES
+def test_throttled_victim_preference_holds_within_a_priority_only(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=100_000,
+        user_rates={"slow": 1},
+        num_blocks=5,
+        policy="priority",
+    )
+    parked = make_request("slow", prompt_len=8, max_tokens=100, priority=1)
+    driver.add([parked])
+    driver.run(2)
+    same_priority = make_request("fast", prompt_len=14, max_tokens=60, priority=1)
+    driver.add([same_priority])
+    for _ in range(100):
+        driver.step()
+        if parked.status == RequestStatus.PREEMPTED:
+            break
+    assert parked.status == RequestStatus.PREEMPTED
+    assert same_priority.status == RequestStatus.RUNNING
+    # Arrival times are restored once the step is over.
+    assert parked.arrival_time < same_priority.arrival_time < 1e6
+
+
+@MODES
+def test_lower_priority_is_preempted_before_a_throttled_higher_priority_request(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=100_000,
+        user_rates={"slow": 1},
+        num_blocks=5,
+        policy="priority",
+    )
+    parked = make_request("slow", prompt_len=8, max_tokens=100, priority=0)
+    low = make_request("fast", prompt_len=8, max_tokens=100, priority=9)
+    driver.add([parked, low])
+    driver.run(2)
+    urgent = make_request("fast", prompt_len=14, max_tokens=60, priority=0)
+    driver.add([urgent])
+    for _ in range(100):
+        driver.step()
+        if low.status == RequestStatus.PREEMPTED:
+            break
+    assert low.status == RequestStatus.PREEMPTED
+    assert parked.status == RequestStatus.RUNNING
+
+
+@MODES
+def test_rotation_shares_tokens_evenly_across_four_streams(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
+    streams = [make_request("u", prompt_len=4, max_tokens=1000) for _ in range(4)]
+    driver.add(streams)
+    per_stream = Counter()
+    for _ in range(400):  # 12 s at 30 ms per step
+        for rid in driver.step_sampled(step_ms=30):
+            per_stream[rid] += 1
+    counts = [per_stream[r.request_id] for r in streams]
+    assert sum(counts) >= 100
+    assert max(counts) - min(counts) <= 1, counts
+
+
+@MODES
+def test_rotation_keeps_other_users_order(tiny_model_dir, async_scheduling):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
+    first, second = make_request("x", max_tokens=500), make_request("y", max_tokens=500)
+    driver.add([first, make_request("u", max_tokens=500), second])
+    driver.add([make_request("u", max_tokens=500)])
+    for _ in range(20):
+        driver.step(step_ms=30)
+        order = [r.request_id for r in scheduler.running]
+        assert order.index(first.request_id) < order.index(second.request_id)
+
+
+@MODES
+def test_a_throttled_users_waiting_request_does_not_block_other_users(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir, async_scheduling, default_rate=1, user_rates={"b": 1000}
+    )
+    driver.add([make_request("a", prompt_len=4, max_tokens=100)])
+    driver.step()
+    # A one-token prompt cannot prefill at all without sampling.
+    blocked = make_request("a", prompt_len=1, max_tokens=5)
+    other = make_request("b", prompt_len=1, max_tokens=5)
+    driver.add([blocked, other])
+    output = driver.step()
+    assert blocked.request_id not in output.num_scheduled_tokens
+    assert other.request_id in output.num_scheduled_tokens
+    assert scheduler.accounting.of("a").throttled_skips > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True], ids=["async"])
+def test_async_lookahead_step_is_charged_and_not_refunded(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=100_000)
+    request = make_request("u", prompt_len=4, max_tokens=100)
+    request.sampling_params.stop_token_ids = [99]
+    driver.add([request])
+    stop_at = 5
+    in_flight = []
+    emitted = 0
+    for _ in range(12):
+        output = scheduler.schedule()
+        req_ids = list(output.num_scheduled_tokens)
+        emitted += len(req_ids)
+        tokens = [[99 if emitted == stop_at else 7] for _ in req_ids]
+        in_flight.append(
+            (
+                output,
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=tokens,
+                ),
+            )
+        )
+        if len(in_flight) > 1:
+            scheduler.update_from_output(*in_flight.pop(0))
+        driver.clock.advance_ms(10)
+    assert request.is_finished()
+    assert len(request.output_token_ids) == stop_at
+    counters = scheduler.accounting.of("u")
+    assert counters.charged == stop_at + 1  # step N+1 was already dispatched
+    assert counters.refunds == 0
+
+
+@MODES
+def test_idle_step_reports_when_the_next_token_is_allowed(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
+    driver.add([make_request("u", prompt_len=4, max_tokens=100)])
+    driver.run(2)  # burst: 2 tokens at once
+    now = driver.clock.now_ns
+    output = driver.step()
+    assert output.total_num_scheduled_tokens == 0
+    assert scheduler.next_ready_ns == scheduler.limiter.ready_at_ns("u", now)
+    assert scheduler.next_ready_ns > now
+
+
+@MODES
+def test_update_from_output_never_touches_the_limiter(tiny_model_dir, async_scheduling):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
+    limiter = CountingLimiter(10, {})
+    scheduler.limiter = limiter
+    driver.add([make_request("u", prompt_len=4, max_tokens=100)])
+    output = scheduler.schedule()
+    calls = limiter.try_take_calls.total()
+    state = limiter.lead_ns("u", driver.clock.now_ns)
+    from tests.scheduler_harness import model_output_for
+
+    scheduler.update_from_output(output, model_output_for(scheduler, output))
+    assert limiter.try_take_calls.total() == calls
+    assert limiter.lead_ns("u", driver.clock.now_ns) == state
+
+
+def test_user_is_resolved_once_when_the_request_is_added(tiny_model_dir):
+    scheduler, driver = setup(tiny_model_dir, False, default_rate=10)
+    named, anonymous = make_request("alice"), make_request(None)
+    driver.add([named, anonymous])
+    named.sampling_params.extra_args["output_rate_user"] = "mallory"
+    assert scheduler.user_of(named) == "alice"
+    assert scheduler.user_of(anonymous) == "__anonymous__"
+
+
+def _random_workload(seed: int):
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(40):
+        arrivals.append(
+            (
+                rng.randrange(60),
+                dict(
+                    user=rng.choice(["a", "b", None]),
+                    prompt_len=rng.randrange(1, 120),
+                    max_tokens=rng.randrange(1, 150),
+                    priority=rng.randrange(3),
+                    request_id=f"w{seed}-{i}",
+                ),
+            )
+        )
+    aborts = {rng.randrange(80): f"w{seed}-{rng.randrange(40)}" for _ in range(5)}
+    return arrivals, aborts
+
+
+def _run_workload(scheduler, seed: int) -> list[tuple]:
+    clock = FakeClock()
+    driver = Driver(scheduler, clock)
+    arrivals, aborts = _random_workload(seed)
+    trace = []
+    for step in range(100):
+        driver.add(make_request(**kw) for at, kw in arrivals if at == step)
+        if step in aborts and aborts[step] in scheduler.requests:
+            scheduler.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED)
+        output = driver.step()
+        trace.append(
+            (
+                dict(output.num_scheduled_tokens),
+                sorted(output.preempted_req_ids),
+                sorted(output.finished_req_ids),
+                [r.request_id for r in scheduler.running],
+            )
+        )
+    return trace
+
+
+@MODES
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_disabled_scheduling_is_identical_to_upstream(
+    tiny_model_dir, async_scheduling, policy, seed
+):
+    kwargs = dict(
+        async_scheduling=async_scheduling,
+        default_rate=None,
+        max_num_seqs=6,
+        max_num_active_seqs=4,
+        max_num_batched_tokens=64,
+        num_blocks=20,
+        policy=policy,
+    )
+    upstream_cls = AsyncScheduler if async_scheduling else Scheduler
+    upstream = make_scheduler(tiny_model_dir, scheduler_cls=upstream_cls, **kwargs)
+    ours = make_scheduler(tiny_model_dir, **kwargs)
+    assert type(ours) is not upstream_cls
+    upstream_trace = _run_workload(upstream, seed)
+    assert _run_workload(ours, seed) == upstream_trace
+    assert any(preempted for _, preempted, _, _ in upstream_trace)
