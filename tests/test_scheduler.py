@@ -110,7 +110,7 @@ def test_refused_chunked_prefill_stops_at_second_to_last_position(
 def test_without_chunked_prefill_a_refused_prefill_waits_whole(
     tiny_model_dir, async_scheduling
 ):
-    scheduler, driver = setup(
+    _scheduler, driver = setup(
         tiny_model_dir,
         async_scheduling,
         default_rate=1,
@@ -230,7 +230,7 @@ def test_throttled_requests_do_not_count_against_max_num_active_seqs(
 def test_running_loop_is_capped_at_max_num_active_seqs(
     tiny_model_dir, async_scheduling
 ):
-    scheduler, driver = setup(
+    _scheduler, driver = setup(
         tiny_model_dir,
         async_scheduling,
         default_rate=100_000,
@@ -273,7 +273,7 @@ def test_throttled_request_is_the_preferred_preemption_victim(
 def test_throttled_victim_preference_holds_within_a_priority_only(
     tiny_model_dir, async_scheduling
 ):
-    scheduler, driver = setup(
+    _scheduler, driver = setup(
         tiny_model_dir,
         async_scheduling,
         default_rate=100_000,
@@ -300,7 +300,7 @@ def test_throttled_victim_preference_holds_within_a_priority_only(
 def test_lower_priority_is_preempted_before_a_throttled_higher_priority_request(
     tiny_model_dir, async_scheduling
 ):
-    scheduler, driver = setup(
+    _scheduler, driver = setup(
         tiny_model_dir,
         async_scheduling,
         default_rate=100_000,
@@ -326,7 +326,7 @@ def test_lower_priority_is_preempted_before_a_throttled_higher_priority_request(
 def test_rotation_shares_tokens_evenly_across_four_streams(
     tiny_model_dir, async_scheduling
 ):
-    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
+    _scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
     streams = [make_request("u", prompt_len=4, max_tokens=1000) for _ in range(4)]
     driver.add(streams)
     per_stream = Counter()
