@@ -163,7 +163,8 @@ def _from_cli_args(original, args: argparse.Namespace):
         engine_args.additional_config = additional
         middleware = getattr(args, "middleware", None)
         if isinstance(middleware, list) and HTTP_GUARD not in middleware:
-            middleware.append(HTTP_GUARD)
+            # A new list: the parsed value may be the parser's shared default.
+            args.middleware = [*middleware, HTTP_GUARD]
     return engine_args
 
 

@@ -24,6 +24,14 @@ class StreamResult:
     token_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
+    started_at: float = 0.0  #: when the request was sent
+    finished_at: float = 0.0  #: when the stream ended
+
+    @property
+    def request_tokens_per_s(self) -> float:
+        """Tokens over the whole request (first token latency included): robust
+        for fast streams, whose tokens may reach the client in bunches."""
+        return self.completion_tokens / (self.finished_at - self.started_at)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ async def stream_completion(
     }
     if user is not None:
         body["vllm_xargs"] = {USER_FIELD: user}
-    result = StreamResult(user=user)
+    result = StreamResult(user=user, started_at=time.monotonic())
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for data in _sse_data(response):
@@ -70,6 +78,7 @@ async def stream_completion(
                 result.finish_reason = (
                     choice.get("finish_reason") or result.finish_reason
                 )
+    result.finished_at = time.monotonic()
     return result
 
 

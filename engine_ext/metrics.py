@@ -1,0 +1,320 @@
+"""Output-rate metrics on vLLM's own ``/metrics`` (API-process side).
+
+``OutputRateStatLogger`` is loaded by vLLM's ``vllm.stat_logger_plugins`` entry
+point in the API process. vLLM calls its ``record()`` with every ``SchedulerStats``
+that arrives from the engine core; it takes our payload out of
+``kv_connector_stats`` (see ``engine_ext.stats_payload``) and applies it to
+Prometheus metrics that follow vLLM's conventions: ``vllm:`` prefix, a
+``model_name`` label, ``_total`` counters, ``_seconds`` histograms.
+
+Two vLLM details shape this module:
+
+- vLLM's ``PrometheusStatLogger`` is created after plugin loggers and, in its
+  constructor, unregisters every collector on the default registry whose name
+  starts with ``vllm:``. Our metrics are therefore created unregistered and
+  exposed through one collector object without a name, which it leaves alone.
+- Stat loggers run in list order, plugins first. We remove the payload before
+  vLLM's logging stat logger sees ``kv_connector_stats``: it asserts a KV
+  connector is configured when that field is non-empty, and crashes.
+
+With several API processes (``--api-server-count``) vLLM serves ``/metrics`` from
+prometheus_client's multiprocess files; the metric objects here write to those
+files too, counters add up across processes and gauges show the most recent value.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+from engine_ext.stats_payload import (
+    COUNTER_FIELDS,
+    DEFAULT_LIMIT_USER,
+    OTHER_USER,
+    RELOAD_RESULTS,
+    Payload,
+    PayloadError,
+    parse,
+    take_payload,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.metrics.stats import (
+        IterationStats,
+        MultiModalCacheStats,
+        SchedulerStats,
+    )
+
+logger = logging.getLogger(__name__)
+
+#: Our entry point: name in ``vllm.stat_logger_plugins`` and its target.
+ENTRY_POINT_NAME = "output_rate"
+ENTRY_POINT_VALUE = "engine_ext.metrics:OutputRateStatLogger"
+STAT_LOGGER_PLUGINS_GROUP = "vllm.stat_logger_plugins"
+
+#: Idle waits are capped at 50 ms (``hooks.IDLE_WAIT_CAP_S``); finer buckets below.
+IDLE_WAIT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05)
+
+#: Exported names (counters as exposed, with ``_total``).
+TOKENS_CHARGED = "vllm:output_rate_tokens_charged_total"
+THROTTLED_SKIPS = "vllm:output_rate_throttled_skips_total"
+REFUNDS = "vllm:output_rate_refunds_total"
+THROTTLED_PREEMPTIONS = "vllm:output_rate_throttled_preemptions_total"
+IDLE_WAIT_SECONDS = "vllm:output_rate_idle_wait_seconds"
+THROTTLED_REQUESTS = "vllm:output_rate_throttled_requests"
+TRACKED_USERS = "vllm:output_rate_tracked_users"
+LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_limit_tokens_per_second"
+LIMIT_CHANGES = "vllm:output_rate_limit_changes_total"
+CONFIG_RELOADS = "vllm:output_rate_config_reloads_total"
+CONTROL_RPCS = "vllm:output_rate_control_rpcs_total"
+
+#: Payload counter field -> exported counter name.
+USER_COUNTERS = {
+    "charged": TOKENS_CHARGED,
+    "throttled_skips": THROTTLED_SKIPS,
+    "refunds": REFUNDS,
+    "throttled_preemptions": THROTTLED_PREEMPTIONS,
+}
+assert set(USER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
+
+_DOCS = {
+    TOKENS_CHARGED: "Output tokens charged to a user's budget (a sampling step "
+    "dispatched; refunds not subtracted).",
+    THROTTLED_SKIPS: "Times a running or waiting request was passed over in a "
+    "scheduler step because its user had no budget.",
+    REFUNDS: "Charges given back because the charged request was not dispatched "
+    "(KV allocation failed or preempted).",
+    THROTTLED_PREEMPTIONS: "Preemptions whose victim was a request parked for "
+    "lack of budget (KV pressure from parked requests).",
+    IDLE_WAIT_SECONDS: "Time the engine loop blocked on its input queue because "
+    "every ready request was throttled.",
+    THROTTLED_REQUESTS: "Requests passed over for lack of budget in the latest "
+    "scheduler step.",
+    TRACKED_USERS: "Users currently holding limiter state.",
+    LIMIT_TOKENS_PER_SECOND: "Output-token limit in tokens per second of each "
+    f"labelled user; user={DEFAULT_LIMIT_USER!r} is the default limit.",
+    LIMIT_CHANGES: "Per-user or default limit changes applied at runtime.",
+    CONFIG_RELOADS: "Limits config-file reloads by result (success, failure).",
+    CONTROL_RPCS: "Control-plane RPCs by method and gRPC status code.",
+}
+
+# Registry -> our collector on it, so a second logger in one process (vLLM
+# rebuilds its stat loggers, tests build many) replaces the first.
+_collectors: weakref.WeakKeyDictionary[CollectorRegistry, _Collector] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def stat_logger_will_load() -> bool:
+    """Whether vLLM started in this environment loads ``OutputRateStatLogger`` in
+    its API process: our entry point is installed and ``VLLM_PLUGINS``, if set,
+    names it."""
+    from importlib.metadata import entry_points
+
+    import vllm.envs as envs
+
+    allowed = envs.VLLM_PLUGINS
+    if allowed is not None and ENTRY_POINT_NAME not in allowed:
+        return False
+    return any(
+        ep.name == ENTRY_POINT_NAME and ep.value == ENTRY_POINT_VALUE
+        for ep in entry_points(group=STAT_LOGGER_PLUGINS_GROUP)
+    )
+
+
+def transport_enabled(usage_context: UsageContext | None) -> bool:
+    """Whether the engine core may put the payload into ``SchedulerStats``: only
+    for the OpenAI API server (an ``AsyncLLM``, which loads stat logger plugins;
+    the offline ``LLM`` does not, and its logging stat logger would crash on the
+    payload) and only if our stat logger will be loaded."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return usage_context == UsageContext.OPENAI_API_SERVER and stat_logger_will_load()
+
+
+class OutputRateMetrics:
+    """The output-rate metrics of one model, exposed on ``registry``."""
+
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = REGISTRY
+    ) -> None:
+        self._model = model_name
+        user = ["model_name", "user"]
+        self._counters = {
+            field: Counter(name, _DOCS[name], user, registry=None)
+            for field, name in USER_COUNTERS.items()
+        }
+        self._idle_wait = Histogram(
+            IDLE_WAIT_SECONDS,
+            _DOCS[IDLE_WAIT_SECONDS],
+            ["model_name"],
+            buckets=IDLE_WAIT_BUCKETS_S,
+            registry=None,
+        )
+        self._throttled = _gauge(THROTTLED_REQUESTS, ["model_name"])
+        self._tracked = _gauge(TRACKED_USERS, ["model_name"])
+        self._limits = _gauge(LIMIT_TOKENS_PER_SECOND, user)
+        self._limit_changes = Counter(
+            LIMIT_CHANGES, _DOCS[LIMIT_CHANGES], ["model_name"], registry=None
+        )
+        self._reloads = Counter(
+            CONFIG_RELOADS,
+            _DOCS[CONFIG_RELOADS],
+            ["model_name", "result"],
+            registry=None,
+        )
+        self._rpcs = Counter(
+            CONTROL_RPCS,
+            _DOCS[CONTROL_RPCS],
+            ["model_name", "method", "code"],
+            registry=None,
+        )
+        self._labelled: set[str] | None = None  # None until the first payload
+        self._limit_values: dict[str, int] = {}
+        if registry is not None:
+            collector = _Collector(
+                [
+                    *self._counters.values(),
+                    self._idle_wait,
+                    self._throttled,
+                    self._tracked,
+                    self._limits,
+                    self._limit_changes,
+                    self._reloads,
+                    self._rpcs,
+                ]
+            )
+            previous = _collectors.get(registry)
+            if previous is not None:
+                registry.unregister(previous)
+            registry.register(collector)
+            _collectors[registry] = collector
+
+    def apply(self, payload: Payload) -> None:
+        """Adds the payload's deltas and sets its gauges."""
+        model = self._model
+        if self._labelled is None:
+            self._start()
+        self._sync_labels(set(payload.limits))
+        for user, row in payload.users.items():
+            for field, delta in row.items():
+                if delta:
+                    self._counters[field].labels(model, user).inc(delta)
+        limits = dict(payload.limits)
+        if payload.default_limit is not None:
+            limits[DEFAULT_LIMIT_USER] = payload.default_limit
+        if limits != self._limit_values:
+            for user in set(self._limit_values) - set(limits):
+                self._limits.remove(model, user)
+            for user, rate in limits.items():
+                self._limits.labels(model, user).set(rate)
+            self._limit_values = limits
+        self._throttled.labels(model).set(payload.throttled_requests)
+        self._tracked.labels(model).set(payload.tracked_users)
+        idle = self._idle_wait.labels(model)
+        for seconds in payload.idle_waits_s:
+            idle.observe(seconds)
+        if payload.limit_changes:
+            self._limit_changes.labels(model).inc(payload.limit_changes)
+        for result, count in payload.config_reloads.items():
+            self._reloads.labels(model, result).inc(count)
+        for (method, code), count in payload.control_rpcs.items():
+            self._rpcs.labels(model, method, code).inc(count)
+
+    def _start(self) -> None:
+        """Creates the series every alert and panel relies on, at zero: a counter
+        born at 1 hides its first increase from ``rate()``/``increase()``."""
+        model = self._model
+        for counter in self._counters.values():
+            counter.labels(model, OTHER_USER)
+        self._idle_wait.labels(model)
+        self._limit_changes.labels(model)
+        for result in RELOAD_RESULTS:
+            self._reloads.labels(model, result)
+        self._labelled = set()
+
+    def _sync_labels(self, labelled: set[str]) -> None:
+        """Per-user series exist exactly for the labelled users (and
+        ``OTHER_USER``): this is what bounds the ``user`` label's cardinality."""
+        assert self._labelled is not None
+        if labelled == self._labelled:
+            return
+        model = self._model
+        for user in self._labelled - labelled:
+            for counter in self._counters.values():
+                counter.remove(model, user)
+        for user in labelled - self._labelled:
+            for counter in self._counters.values():
+                counter.labels(model, user)
+        self._labelled = labelled
+
+
+class OutputRateStatLogger(AggregateStatLoggerBase):
+    """vLLM stat logger plugin: exports the output-rate payload of each
+    ``SchedulerStats`` and removes it from the stats before vLLM's loggers."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_indexes: list[int] | None = None,
+        *,
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self.metrics = OutputRateMetrics(
+            str(vllm_config.model_config.served_model_name), registry
+        )
+        self._warned = False
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        raw = take_payload(scheduler_stats)
+        if raw is None:
+            return
+        try:
+            payload = parse(raw)
+        except PayloadError as exc:
+            # Raising here would end vLLM's output handler and fail every request.
+            if not self._warned:
+                logger.warning("dropping malformed output-rate stats: %s", exc)
+                self._warned = True
+            return
+        self.metrics.apply(payload)
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to log: the metrics appear with the first payload."""
+
+
+def _gauge(name: str, labels: list[str]) -> Gauge:
+    # "mostrecent": with several API processes, the latest value wins (as vLLM's).
+    return Gauge(
+        name, _DOCS[name], labels, registry=None, multiprocess_mode="mostrecent"
+    )
+
+
+class _Collector:
+    """Exposes the given metrics on a registry, those with samples only (so a
+    server with pacing off shows none). It has no ``_name``, so vLLM's
+    ``unregister_vllm_metrics()`` (which removes collectors named ``vllm:*``)
+    keeps it."""
+
+    def __init__(self, metrics: Iterable[Counter | Gauge | Histogram]) -> None:
+        self._metrics = list(metrics)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            for family in metric.collect():
+                if family.samples:
+                    yield family

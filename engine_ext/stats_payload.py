@@ -1,0 +1,464 @@
+"""The output-rate metrics payload: what the engine-core scheduler adds to each
+``SchedulerStats`` for the API process to export (pure: no vLLM, no Prometheus).
+
+Transport: vLLM sends ``SchedulerStats`` from the engine core to the API process
+inside every ``EngineCoreOutputs`` (msgpack). Its ``kv_connector_stats`` field is an
+untyped ``dict[str, Any]`` that only KV connectors fill, and KV connectors are
+refused with pacing on, so the payload travels there under ``PAYLOAD_KEY``. The API
+process's stat logger (``engine_ext.metrics``) removes it again before vLLM's own
+loggers look at the field: vLLM's logging stat logger crashes on a non-empty
+``kv_connector_stats`` when no connector is configured.
+
+Semantics: counters are *deltas* since the previous payload, exactly like vLLM's own
+prefix-cache stats. vLLM hands each step's stats to one API process only, so with
+several API processes only deltas add up right (Prometheus sums them); a payload is
+built once per engine step. Gauges are current values.
+
+Cardinality: a ``user`` label exists only for users with an explicit limit (the
+operator's limits table, never ids taken from requests), at most
+``max_labelled_users`` of them; every other user's events are reported under
+``OTHER_USER``. The labelled set is sticky: a labelled user keeps the label while
+their explicit limit exists, new ones are admitted in name order while room is left.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from engine_ext.accounting import Accounting, UserCounters
+
+#: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
+PAYLOAD_KEY = "output_rate"
+#: Bumped whenever the payload's shape changes; a mismatch is rejected.
+PAYLOAD_VERSION = 1
+#: The ``user`` label value of every user without a label of their own.
+OTHER_USER = "__other__"
+#: The ``user`` label value of the default limit in the limits gauge.
+DEFAULT_LIMIT_USER = "__default__"
+#: Default cap on users with their own ``user`` label.
+DEFAULT_MAX_LABELLED_USERS = 100
+#: Idle waits kept between two payloads. One payload is built per engine step and
+#: there is at most one idle wait per step, so this bounds memory only when
+#: payloads stop being collected (e.g. stats logging turned off).
+MAX_PENDING_IDLE_WAITS = 1024
+#: Distinct control-plane RPC method names; later ones are reported as
+#: ``OTHER_METHOD`` (method names can come from clients: unknown methods).
+MAX_RPC_METHODS = 32
+OTHER_METHOD = "__other__"
+#: gRPC status code names (``grpc.StatusCode.X.name``); anything else is UNKNOWN.
+GRPC_CODES = frozenset(
+    {
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    }
+)
+RELOAD_RESULTS = ("success", "failure")
+#: The per-user counters carried, in ``UserCounters`` field names.
+COUNTER_FIELDS = tuple(f.name for f in fields(UserCounters))
+
+#: Key of the metrics settings inside ``VllmConfig.additional_config``.
+SETTINGS_KEY = "output_rate_metrics"
+
+
+class PayloadError(ValueError):
+    """A payload or a metrics setting is malformed; the message names the field."""
+
+
+# -- settings -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Whether the scheduler emits the payload, and the label cap.
+
+    ``emit`` must be true only when the API process will consume the payload
+    (our stat logger is loaded there), because vLLM's own logging stat logger
+    crashes on it otherwise.
+    """
+
+    emit: bool = False
+    max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.emit, bool):
+            raise PayloadError(f"{SETTINGS_KEY}.emit must be a boolean")
+        cap = self.max_labelled_users
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise PayloadError(
+                f"{SETTINGS_KEY}.max_labelled_users must be a non-negative "
+                f"integer, got {cap!r}"
+            )
+
+    @classmethod
+    def from_additional_config(
+        cls, additional_config: Mapping[str, Any] | None
+    ) -> MetricsSettings:
+        """Reads ``additional_config[SETTINGS_KEY]``; absent means defaults (and
+        not emitting)."""
+        entry = (additional_config or {}).get(SETTINGS_KEY)
+        if entry is None:
+            return cls()
+        if not isinstance(entry, Mapping):
+            raise PayloadError(f"additional_config[{SETTINGS_KEY!r}] must be an object")
+        unknown = set(entry) - {"emit", "max_labelled_users"}
+        if unknown:
+            raise PayloadError(
+                f"additional_config[{SETTINGS_KEY!r}] has unknown keys "
+                f"{sorted(unknown)}; expected emit, max_labelled_users"
+            )
+        return cls(
+            emit=entry.get("emit", False),
+            max_labelled_users=entry.get(
+                "max_labelled_users", DEFAULT_MAX_LABELLED_USERS
+            ),
+        )
+
+    def to_additional_config(self) -> dict[str, Any]:
+        """Our entry for ``additional_config`` (JSON-serialisable)."""
+        return {"emit": self.emit, "max_labelled_users": self.max_labelled_users}
+
+
+# -- control-plane counters ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlPlaneSnapshot:
+    """Cumulative control-plane events at one moment."""
+
+    limit_changes: int = 0
+    config_reloads: Mapping[str, int] = field(default_factory=dict)  # result -> n
+    rpcs: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (m, code)
+
+
+class ControlPlaneCounters:
+    """Cumulative control-plane events; safe to update from the gRPC server's
+    threads while the engine thread takes snapshots."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._limit_changes = 0
+        self._reloads = dict.fromkeys(RELOAD_RESULTS, 0)
+        self._rpcs: dict[tuple[str, str], int] = {}
+        self._methods: set[str] = set()
+
+    def limit_changed(self, count: int = 1) -> None:
+        """Records ``count`` applied limit changes (one per user or default)."""
+        with self._lock:
+            self._limit_changes += count
+
+    def config_reloaded(self, success: bool) -> None:
+        """Records one config-file reload attempt and its outcome."""
+        with self._lock:
+            self._reloads["success" if success else "failure"] += 1
+
+    def rpc_finished(self, method: str, code: str) -> None:
+        """Records one finished RPC: ``method`` is the short RPC name, ``code``
+        a ``grpc.StatusCode`` name such as ``"OK"``. Methods beyond
+        ``MAX_RPC_METHODS`` distinct names count as ``OTHER_METHOD``; an unknown
+        code counts as ``UNKNOWN``."""
+        if code not in GRPC_CODES:
+            code = "UNKNOWN"
+        with self._lock:
+            if method not in self._methods:
+                if len(self._methods) >= MAX_RPC_METHODS:
+                    method = OTHER_METHOD
+                else:
+                    self._methods.add(method)
+            key = (method, code)
+            self._rpcs[key] = self._rpcs.get(key, 0) + 1
+
+    def snapshot(self) -> ControlPlaneSnapshot:
+        """A consistent copy of every counter."""
+        with self._lock:
+            return ControlPlaneSnapshot(
+                limit_changes=self._limit_changes,
+                config_reloads=dict(self._reloads),
+                rpcs=dict(self._rpcs),
+            )
+
+
+# -- the payload --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One parsed payload: deltas since the previous one, and current gauges."""
+
+    #: label -> {counter field -> delta}; only non-zero deltas.
+    users: Mapping[str, Mapping[str, int]]
+    #: label -> tokens/s of every labelled user (the complete labelled set).
+    limits: Mapping[str, int]
+    default_limit: int | None
+    throttled_requests: int
+    tracked_users: int
+    idle_waits_s: tuple[float, ...]
+    limit_changes: int
+    config_reloads: Mapping[str, int]
+    control_rpcs: Mapping[tuple[str, str], int]
+
+
+class PayloadBuilder:
+    """Turns the scheduler's cumulative counters into per-step payloads.
+
+    Owned by the scheduler (engine-core thread only, like the limiter), except
+    that ``observe_idle_wait`` is called by the engine loop on the same thread.
+    """
+
+    def __init__(self, max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS) -> None:
+        self._cap = max_labelled_users
+        self._labelled: dict[str, None] = {}  # insertion-ordered set
+        self._last: dict[str, UserCounters] = {}
+        self._last_total = UserCounters()
+        self._last_control = ControlPlaneSnapshot()
+        self._idle_waits: list[float] = []
+        self._built_once = False
+
+    @property
+    def labelled_users(self) -> list[str]:
+        """Users that currently have their own ``user`` label."""
+        return list(self._labelled)
+
+    def observe_idle_wait(self, seconds: float) -> None:
+        """Records one idle wait of the engine loop (time actually blocked)."""
+        if len(self._idle_waits) < MAX_PENDING_IDLE_WAITS:
+            self._idle_waits.append(float(seconds))
+
+    def build(
+        self,
+        *,
+        accounting: Accounting,
+        user_rates: Mapping[str, int],
+        default_rate: int | None,
+        throttled_requests: int,
+        tracked_users: int,
+        control: ControlPlaneSnapshot | None = None,
+    ) -> dict[str, Any]:
+        """The payload for this step: counter deltas since the previous ``build``
+        (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
+        labelled users' limits, and the given gauges.
+
+        Assumes ``accounting`` keeps labelled users' counters; if it forgot one
+        and the user came back, the new counts are taken as a fresh start.
+        """
+        self._update_labelled(user_rates)
+        first = not self._built_once
+        self._built_once = True
+
+        users: dict[str, dict[str, int]] = {}
+        labelled_sum = UserCounters()
+        for user in self._labelled:
+            now = accounting.of(user)
+            before = self._last.get(user)
+            if before is None:
+                # Labelled since the first build: everything counts. Labelled
+                # later (new explicit limit): earlier events were already
+                # reported under OTHER_USER.
+                before = UserCounters() if first else now
+            delta = _delta(now, before)
+            self._last[user] = now
+            labelled_sum.add(delta)
+            if row := _nonzero(delta):
+                users[user] = row
+
+        total = _copy(accounting.total)
+        other = _delta(total, self._last_total)
+        self._last_total = total
+        other = UserCounters(
+            **{
+                name: max(0, getattr(other, name) - getattr(labelled_sum, name))
+                for name in COUNTER_FIELDS
+            }
+        )
+        if row := _nonzero(other):
+            users[OTHER_USER] = row
+
+        control = control or ControlPlaneSnapshot()
+        previous, self._last_control = self._last_control, control
+        idle_waits, self._idle_waits = self._idle_waits, []
+        return {
+            "v": PAYLOAD_VERSION,
+            "users": users,
+            "limits": {user: int(user_rates[user]) for user in self._labelled},
+            "default_limit": default_rate,
+            "throttled_requests": int(throttled_requests),
+            "tracked_users": int(tracked_users),
+            "idle_waits_s": idle_waits,
+            "limit_changes": max(0, control.limit_changes - previous.limit_changes),
+            "config_reloads": _positive_deltas(
+                control.config_reloads, previous.config_reloads
+            ),
+            "control_rpcs": [
+                [method, code, n]
+                for (method, code), n in _positive_deltas(
+                    control.rpcs, previous.rpcs
+                ).items()
+            ],
+        }
+
+    def _update_labelled(self, user_rates: Mapping[str, int]) -> None:
+        for user in [u for u in self._labelled if u not in user_rates]:
+            del self._labelled[user]
+            self._last.pop(user, None)
+        if len(self._labelled) < self._cap:
+            for user in sorted(u for u in user_rates if u not in self._labelled):
+                if len(self._labelled) >= self._cap:
+                    break
+                self._labelled[user] = None
+
+
+def attach(scheduler_stats: Any, payload: dict[str, Any]) -> None:
+    """Puts ``payload`` into ``scheduler_stats`` (a vLLM ``SchedulerStats``) for
+    the trip to the API process, keeping anything a KV connector put there."""
+    carried = dict(scheduler_stats.kv_connector_stats or {})
+    carried[PAYLOAD_KEY] = payload
+    scheduler_stats.kv_connector_stats = carried
+
+
+def take_payload(scheduler_stats: Any) -> object | None:
+    """Removes and returns the raw payload from ``scheduler_stats`` (``None`` if it
+    carries none), leaving ``kv_connector_stats`` as it was before ``attach``."""
+    if scheduler_stats is None:
+        return None
+    carried = scheduler_stats.kv_connector_stats
+    if not carried or PAYLOAD_KEY not in carried:
+        return None
+    raw = carried.pop(PAYLOAD_KEY)
+    if not carried:
+        scheduler_stats.kv_connector_stats = None
+    return raw
+
+
+def parse(raw: object) -> Payload:
+    """Validates a payload as built by ``PayloadBuilder.build`` (after a msgpack
+    round trip: tuples arrive as lists); raises ``PayloadError`` naming the first
+    offending field."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError(f"payload must be an object, got {type(raw).__name__}")
+    if raw.get("v") != PAYLOAD_VERSION:
+        raise PayloadError(
+            f"payload version {raw.get('v')!r} is not {PAYLOAD_VERSION}: engine core "
+            "and API process run different engine_ext versions"
+        )
+    limits = _str_int_map(raw.get("limits"), "limits")
+    labels = set(limits) | {OTHER_USER}
+    users_raw = raw.get("users")
+    if not isinstance(users_raw, Mapping):
+        raise PayloadError("users must be an object")
+    users: dict[str, dict[str, int]] = {}
+    for user, row in users_raw.items():
+        if user not in labels:
+            raise PayloadError(
+                f"users has label {user!r} that is neither labelled nor {OTHER_USER}"
+            )
+        counters = _str_int_map(row, f"users[{user!r}]")
+        unknown = set(counters) - set(COUNTER_FIELDS)
+        if unknown:
+            raise PayloadError(
+                f"users[{user!r}] has unknown counters {sorted(unknown)}"
+            )
+        users[user] = counters
+    default_limit = raw.get("default_limit")
+    if default_limit is not None:
+        default_limit = _int(default_limit, "default_limit")
+    idle = raw.get("idle_waits_s")
+    if not isinstance(idle, list | tuple) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in idle
+    ):
+        raise PayloadError("idle_waits_s must be a list of non-negative numbers")
+    reloads = _str_int_map(raw.get("config_reloads"), "config_reloads")
+    if not set(reloads) <= set(RELOAD_RESULTS):
+        raise PayloadError(f"config_reloads keys must be among {RELOAD_RESULTS}")
+    rpcs: dict[tuple[str, str], int] = {}
+    rpcs_raw = raw.get("control_rpcs")
+    if not isinstance(rpcs_raw, list | tuple):
+        raise PayloadError("control_rpcs must be a list")
+    for entry in rpcs_raw:
+        if not (
+            isinstance(entry, list | tuple)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[1] in GRPC_CODES
+        ):
+            raise PayloadError(f"control_rpcs entry {entry!r} is not [method, code, n]")
+        rpcs[(entry[0], entry[1])] = _int(entry[2], "control_rpcs count")
+    return Payload(
+        users=users,
+        limits=limits,
+        default_limit=default_limit,
+        throttled_requests=_int(raw.get("throttled_requests"), "throttled_requests"),
+        tracked_users=_int(raw.get("tracked_users"), "tracked_users"),
+        idle_waits_s=tuple(float(x) for x in idle),
+        limit_changes=_int(raw.get("limit_changes"), "limit_changes"),
+        config_reloads=reloads,
+        control_rpcs=rpcs,
+    )
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def _copy(counters: UserCounters) -> UserCounters:
+    copy = UserCounters()
+    copy.add(counters)
+    return copy
+
+
+def _delta(now: UserCounters, before: UserCounters) -> UserCounters:
+    """``now - before`` per counter; a counter that went down restarted from zero
+    (its owner forgot it), so its whole current value is new."""
+    delta = UserCounters()
+    for name in COUNTER_FIELDS:
+        current, previous = getattr(now, name), getattr(before, name)
+        setattr(delta, name, current - previous if current >= previous else current)
+    return delta
+
+
+def _nonzero(counters: UserCounters) -> dict[str, int]:
+    return {
+        name: value
+        for name in COUNTER_FIELDS
+        if (value := getattr(counters, name)) != 0
+    }
+
+
+def _positive_deltas(now: Mapping[Any, int], before: Mapping[Any, int]) -> dict:
+    return {
+        key: value - before.get(key, 0)
+        for key, value in now.items()
+        if value > before.get(key, 0)
+    }
+
+
+def _int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PayloadError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _str_int_map(value: object, name: str) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise PayloadError(f"{name} must be an object")
+    result: dict[str, int] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise PayloadError(f"{name} has a non-string key {key!r}")
+        result[key] = _int(item, f"{name}[{key!r}]")
+    return result

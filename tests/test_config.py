@@ -1,0 +1,219 @@
+"""Flags, additional_config, and configurations refused at config time."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from engine_ext import hooks
+from engine_ext.config import OutputRateConfig, OutputRateConfigError
+from engine_ext.plugin import register
+from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+from engine_ext.supported import check_supported
+from tests.scheduler_harness import make_scheduler
+
+register()
+
+
+@pytest.fixture(scope="module")
+def serve_parser() -> FlexibleArgumentParser:
+    """vLLM's own serve parser, with our plugin's flags."""
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_serve_parser_accepts_the_flags(serve_parser):
+    args = serve_parser.parse_args(
+        [
+            "m",
+            "--max-num-active-seqs",
+            "4",
+            "--default-user-output-tokens-per-second",
+            "100",
+            "--user-output-tokens-per-second",
+            '{"user-a": 100, "user-b": 500}',
+        ]
+    )
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.max_num_active_seqs == 4
+    assert engine_args.additional_config["output_rate"] == {
+        "default_rate": 100,
+        "user_rates": {"user-a": 100, "user-b": 500},
+    }
+    assert hooks.HTTP_GUARD in args.middleware
+
+
+def test_without_the_default_flag_nothing_changes(serve_parser):
+    args = serve_parser.parse_args(["m"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert "output_rate" not in (engine_args.additional_config or {})
+    assert hooks.HTTP_GUARD not in (args.middleware or [])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--default-user-output-tokens-per-second", "0"], "between 1 and"),
+        (["--default-user-output-tokens-per-second", "-5"], "between 1 and"),
+        (["--default-user-output-tokens-per-second", "2.5"], "positive integer"),
+        (["--default-user-output-tokens-per-second", "ten"], "positive integer"),
+        (["--user-output-tokens-per-second", "{bad"], "not valid JSON"),
+        (["--user-output-tokens-per-second", "[1, 2]"], "must be a JSON object"),
+        (["--user-output-tokens-per-second", '{"a": 0}'], "between 1 and"),
+        (["--user-output-tokens-per-second", '{"a": -1}'], "between 1 and"),
+        (["--user-output-tokens-per-second", '{"a": 1.5}'], "positive integer"),
+        (["--user-output-tokens-per-second", '{"a": true}'], "positive integer"),
+        (["--user-output-tokens-per-second", '{"": 5}'], "must not be empty"),
+        (["--user-output-tokens-per-second", '{"a": 10000000000}'], "between 1 and"),
+    ],
+)
+def test_bad_flag_values_are_rejected_naming_the_flag(
+    serve_parser, capsys, argv, message
+):
+    with pytest.raises(SystemExit) as exit_info:
+        serve_parser.parse_args(["m", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert argv[0] in error and message in error
+
+
+def test_bad_flag_fails_start_up_with_one_line(tiny_model_dir):
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine_ext.serve",
+            tiny_model_dir,
+            "--user-output-tokens-per-second",
+            '{"a": 5}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode != 0
+    # vLLM may log warnings first; the failure itself is the last line, alone.
+    assert completed.stderr.splitlines()[-1] == (
+        "error: --user-output-tokens-per-second needs "
+        "--default-user-output-tokens-per-second: the default limit is what turns "
+        "per-user output pacing on"
+    )
+    assert "Traceback" not in completed.stderr
+
+
+def test_additional_config_round_trip_and_validation():
+    config = OutputRateConfig(default_rate=5, user_rates={"x": 7})
+    assert (
+        OutputRateConfig.from_additional_config(
+            {"output_rate": config.to_additional_config()}
+        )
+        == config
+    )
+    assert not OutputRateConfig.from_additional_config({}).enabled
+    with pytest.raises(OutputRateConfigError, match="unknown keys"):
+        OutputRateConfig.from_additional_config({"output_rate": {"rate": 5}})
+    with pytest.raises(OutputRateConfigError, match="must be an object"):
+        OutputRateConfig.from_additional_config({"output_rate": 5})
+    with pytest.raises(OutputRateConfigError, match="between 1 and"):
+        OutputRateConfig.from_additional_config({"output_rate": {"default_rate": 0}})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_config_selects_the_matching_scheduler(tiny_model_dir, async_scheduling):
+    engine_args = EngineArgs(
+        model=tiny_model_dir,
+        max_model_len=512,
+        additional_config={"output_rate": {"default_rate": 10, "user_rates": {}}},
+        async_scheduling=async_scheduling,
+    )
+    vllm_config = engine_args.create_engine_config()
+    chosen = vllm_config.scheduler_config.scheduler_cls
+    # The CPU platform forces synchronous scheduling; the choice follows vLLM's
+    # resolved setting, not the flag.
+    resolved = vllm_config.scheduler_config.async_scheduling
+    assert chosen is (OutputRateAsyncScheduler if resolved else OutputRateScheduler)
+
+
+def test_engine_config_without_pacing_keeps_upstream_scheduler(tiny_model_dir):
+    vllm_config = EngineArgs(
+        model=tiny_model_dir, max_model_len=512
+    ).create_engine_config()
+    assert vllm_config.scheduler_config.scheduler_cls is None
+
+
+def test_another_custom_scheduler_is_refused(tiny_model_dir):
+    engine_args = EngineArgs(
+        model=tiny_model_dir,
+        max_model_len=512,
+        scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler",
+        additional_config={"output_rate": {"default_rate": 10}},
+    )
+    with pytest.raises(OutputRateConfigError, match="--scheduler-cls"):
+        engine_args.create_engine_config()
+
+
+def _vllm_config(tiny_model_dir):
+    return make_scheduler(tiny_model_dir, default_rate=10).vllm_config
+
+
+@pytest.mark.parametrize(
+    ("mutate", "option"),
+    [
+        (lambda c: setattr(c, "speculative_config", object()), "--speculative-config"),
+        (
+            lambda c: setattr(c.parallel_config, "data_parallel_size", 2),
+            "--data-parallel-size",
+        ),
+        (
+            lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
+            "--pipeline-parallel-size",
+        ),
+        (lambda c: setattr(c, "kv_transfer_config", object()), "--kv-transfer-config"),
+        (lambda c: setattr(c, "ec_transfer_config", object()), "--ec-transfer-config"),
+        (
+            lambda c: setattr(c.cache_config, "kv_offloading_size", 1.0),
+            "--kv-offloading-size",
+        ),
+        (
+            lambda c: setattr(
+                c.aux_output_config, "enable_return_routed_experts", True
+            ),
+            "aux output",
+        ),
+        (lambda c: setattr(c, "diffusion_config", object()), "diffusion"),
+    ],
+)
+def test_unsupported_configurations_are_refused_naming_the_option(
+    tiny_model_dir, mutate, option
+):
+    vllm_config = _vllm_config(tiny_model_dir)
+    check_supported(vllm_config)  # the plain tiny model is fine
+    mutate(vllm_config)
+    with pytest.raises(OutputRateConfigError, match=option):
+        check_supported(vllm_config)
+
+
+def test_hooks_fail_loudly_when_vllm_internals_moved():
+    class Moved:
+        pass
+
+    with pytest.raises(RuntimeError, match="vLLM internals moved"):
+        hooks._wrap(Moved, "_process_engine_step", lambda original, self: None)
+
+
+def test_hooks_install_once():
+    register()
+    register()
+    wrapped = EngineArgs.__dict__["create_engine_config"]
+    assert getattr(wrapped, "__output_rate_hook__", False)
+    assert not getattr(wrapped.__wrapped__, "__output_rate_hook__", False)
+
+
+def test_rate_flag_type_rejects_bool_like_values():
+    with pytest.raises(argparse.ArgumentTypeError):
+        hooks._rate_arg("true")

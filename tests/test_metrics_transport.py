@@ -1,0 +1,263 @@
+"""The metrics transport, engine core -> API process, through vLLM's real parts:
+``SchedulerStats`` inside ``EngineCoreOutputs`` over vLLM's msgpack encoder and
+decoder, then vLLM's ``StatLoggerManager`` with the plugin loggers vLLM itself
+discovers, its logging stat logger and its ``PrometheusStatLogger``; values are
+read back from the Prometheus registry that vLLM's ``/metrics`` serves.
+
+No server needed; the tiny model only feeds ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from vllm.config import ModelConfig, VllmConfig
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.loggers import (
+    LoggingStatLogger,
+    PrometheusStatLogger,
+    StatLoggerManager,
+    load_stat_logger_plugin_factories,
+)
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+from engine_ext import metrics
+from engine_ext.accounting import Accounting
+from engine_ext.stats_payload import (
+    DEFAULT_LIMIT_USER,
+    OTHER_USER,
+    PAYLOAD_KEY,
+    ControlPlaneCounters,
+    PayloadBuilder,
+    attach,
+)
+
+MODEL = "tiny-output-rate"
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_model_dir: str) -> VllmConfig:
+    model_config = ModelConfig(
+        model=tiny_model_dir,
+        served_model_name=MODEL,
+        max_model_len=512,
+        dtype="float32",
+    )
+    return VllmConfig(model_config=model_config)
+
+
+@pytest.fixture
+def manager(vllm_config: VllmConfig) -> StatLoggerManager:
+    """vLLM's stat logger set-up as ``AsyncLLM`` builds it for the API server."""
+    # vLLM adds its logging stat logger only when INFO is enabled; that logger is
+    # the one a leftover payload would crash, so the test needs it present.
+    logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.INFO)
+    manager = StatLoggerManager(
+        vllm_config=vllm_config,
+        custom_stat_loggers=load_stat_logger_plugin_factories(),
+        enable_default_loggers=True,
+    )
+    kinds = [type(logger) for logger in manager.stat_loggers]
+    assert metrics.OutputRateStatLogger in kinds
+    assert PrometheusStatLogger in kinds
+    assert any(
+        isinstance(
+            getattr(logger, "per_engine_stat_loggers", {}).get(0), LoggingStatLogger
+        )
+        for logger in manager.stat_loggers
+    ), kinds
+    return manager
+
+
+def engine_step(payload: dict, **stats_fields) -> SchedulerStats:
+    """What the engine core sends for one step, after vLLM's own wire trip."""
+    stats = SchedulerStats(**stats_fields)
+    attach(stats, payload)
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+    received = MsgpackDecoder(EngineCoreOutputs).decode(wire)
+    assert received.scheduler_stats is not None
+    return received.scheduler_stats
+
+
+def sample(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, {"model_name": MODEL, **labels})
+
+
+def test_vllm_discovers_our_stat_logger_plugin() -> None:
+    factories = load_stat_logger_plugin_factories()
+    assert metrics.OutputRateStatLogger in factories, (
+        "entry point missing: reinstall the package (pip install -e .)"
+    )
+    assert metrics.stat_logger_will_load()
+
+
+def test_payload_reaches_vllms_registry_through_the_real_pipeline(
+    manager: StatLoggerManager,
+) -> None:
+    accounting = Accounting()
+    accounting.record("alice", "charged", 30)
+    accounting.record("alice", "throttled_skips", 10)
+    accounting.record("alice", "refunds", 2)
+    accounting.record("req-id-from-a-request", "charged", 5)
+    accounting.record("req-id-from-a-request", "throttled_preemptions", 1)
+    control = ControlPlaneCounters()
+    control.limit_changed()
+    control.config_reloaded(success=False)
+    control.rpc_finished("SetLimit", "INTERNAL")
+    builder = PayloadBuilder()
+    builder.observe_idle_wait(0.004)
+    builder.observe_idle_wait(0.05)
+    payload = builder.build(
+        accounting=accounting,
+        user_rates={"alice": 20},
+        default_rate=100,
+        throttled_requests=3,
+        tracked_users=2,
+        control=control.snapshot(),
+    )
+    stats = engine_step(payload, num_running_reqs=4)
+
+    manager.record(scheduler_stats=stats, iteration_stats=None)
+    manager.log()  # vLLM's logging stat logger reads the same stats
+
+    assert stats.kv_connector_stats is None  # removed before vLLM's loggers
+    charged = "vllm:output_rate_tokens_charged_total"
+    assert sample(charged, user="alice") == 30
+    assert sample(charged, user=OTHER_USER) == 5
+    assert sample("vllm:output_rate_throttled_skips_total", user="alice") == 10
+    assert sample("vllm:output_rate_refunds_total", user="alice") == 2
+    preemptions = "vllm:output_rate_throttled_preemptions_total"
+    assert sample(preemptions, user=OTHER_USER) == 1
+    assert sample(preemptions, user="alice") == 0  # exists from the start
+    assert sample("vllm:output_rate_throttled_requests") == 3
+    assert sample("vllm:output_rate_tracked_users") == 2
+    limit = "vllm:output_rate_limit_tokens_per_second"
+    assert sample(limit, user="alice") == 20
+    assert sample(limit, user=DEFAULT_LIMIT_USER) == 100
+    assert sample("vllm:output_rate_idle_wait_seconds_count") == 2
+    assert sample("vllm:output_rate_idle_wait_seconds_bucket", le="0.005") == 1
+    assert sample("vllm:output_rate_idle_wait_seconds_bucket", le="0.05") == 2
+    assert sample("vllm:output_rate_limit_changes_total") == 1
+    reloads = "vllm:output_rate_config_reloads_total"
+    assert sample(reloads, result="failure") == 1
+    assert sample(reloads, result="success") == 0
+    rpcs = "vllm:output_rate_control_rpcs_total"
+    assert sample(rpcs, method="SetLimit", code="INTERNAL") == 1
+    # vLLM's own metrics come from the same registry: one /metrics, one target.
+    assert sample("vllm:num_requests_running", engine="0") == 4
+    assert b"req-id-from-a-request" not in generate_latest(REGISTRY)
+
+
+def test_counters_accumulate_and_unlabelled_users_lose_their_series(
+    manager: StatLoggerManager,
+) -> None:
+    accounting = Accounting()
+    builder = PayloadBuilder()
+    rates = {"alice": 20, "bob": 50}
+    for _ in range(3):
+        accounting.record("alice", "charged", 2)
+        accounting.record("bob", "charged")
+        payload = builder.build(
+            accounting=accounting,
+            user_rates=rates,
+            default_rate=10,
+            throttled_requests=0,
+            tracked_users=2,
+        )
+        manager.record(scheduler_stats=engine_step(payload), iteration_stats=None)
+    charged = "vllm:output_rate_tokens_charged_total"
+    assert sample(charged, user="alice") == 6
+    assert sample(charged, user="bob") == 3
+
+    # bob's explicit limit is removed at runtime: his series go, he joins __other__.
+    accounting.record("bob", "charged", 4)
+    payload = builder.build(
+        accounting=accounting,
+        user_rates={"alice": 20},
+        default_rate=10,
+        throttled_requests=0,
+        tracked_users=2,
+    )
+    manager.record(scheduler_stats=engine_step(payload), iteration_stats=None)
+    assert sample(charged, user="bob") is None
+    assert sample("vllm:output_rate_limit_tokens_per_second", user="bob") is None
+    assert sample(charged, user=OTHER_USER) == 4
+
+
+def test_our_metrics_survive_vllm_rebuilding_its_prometheus_logger(
+    manager: StatLoggerManager, vllm_config: VllmConfig
+) -> None:
+    payload = PayloadBuilder().build(
+        accounting=Accounting(),
+        user_rates={},
+        default_rate=10,
+        throttled_requests=1,
+        tracked_users=0,
+    )
+    manager.record(scheduler_stats=engine_step(payload), iteration_stats=None)
+    # Its constructor unregisters every collector named vllm:* on the registry.
+    PrometheusStatLogger(vllm_config, [0])
+    assert sample("vllm:output_rate_throttled_requests") == 1
+
+
+def test_vllms_logging_stat_logger_would_crash_on_the_payload(
+    vllm_config: VllmConfig,
+) -> None:
+    """Why the payload must be taken out before vLLM's loggers see it. If this
+    starts passing, vLLM changed and ``take_payload`` may no longer be needed."""
+    stats = engine_step({"v": 1})
+    with pytest.raises(AttributeError, match="connector_cls"):
+        LoggingStatLogger(vllm_config, 0).record(stats, None)
+
+
+def test_a_malformed_payload_is_dropped_and_still_removed(
+    vllm_config: VllmConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    stats = engine_step({"v": 999})
+    with caplog.at_level(logging.WARNING, logger="engine_ext.metrics"):
+        plugin.record(stats, None)
+        plugin.record(engine_step({"v": 999}), None)
+    assert stats.kv_connector_stats is None
+    assert [r.message for r in caplog.records].count(
+        "dropping malformed output-rate stats: payload version 999 is not 1: "
+        "engine core and API process run different engine_ext versions"
+    ) == 1
+    assert b"output_rate" not in generate_latest(registry)
+
+
+def test_stats_without_payload_leave_no_series(vllm_config: VllmConfig) -> None:
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    plugin.record(SchedulerStats(), None)
+    plugin.record(None, None)
+    assert b"vllm:output_rate" not in generate_latest(registry)
+    assert PAYLOAD_KEY  # the key name the engine side uses is defined
+
+
+@pytest.mark.parametrize(
+    ("usage_context", "plugins", "expected"),
+    [
+        (UsageContext.OPENAI_API_SERVER, None, True),
+        (UsageContext.OPENAI_API_SERVER, "output_rate", True),
+        (UsageContext.OPENAI_API_SERVER, "something_else", False),
+        (UsageContext.LLM_CLASS, None, False),
+        (None, None, False),
+    ],
+)
+def test_transport_is_enabled_only_where_our_stat_logger_consumes_it(
+    monkeypatch: pytest.MonkeyPatch,
+    usage_context: UsageContext | None,
+    plugins: str | None,
+    expected: bool,
+) -> None:
+    if plugins is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", plugins)
+    assert metrics.transport_enabled(usage_context) is expected

