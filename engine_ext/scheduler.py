@@ -51,7 +51,8 @@ from engine_ext.config import OutputRateConfig
 from engine_ext.identity import ANONYMOUS_USER, user_from_extra_args
 from engine_ext.limiter import OutputRateLimiter
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger so that its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Idle users are dropped from the limiter every this many steps (cheap, and
 #: behaviour-neutral: see ``OutputRateLimiter.cleanup_idle_users``).
