@@ -81,6 +81,9 @@ class OutputRateLimiter:
         self._user_rates = dict(user_rates)
         self._burst_ns = burst_ns
         self._cells: dict[str, _Cell] = {}
+        #: Latest ``cleanup_idle_users`` time: a cell re-created for an earlier
+        #: ``now`` starts there, so cleaning never hands out budget.
+        self._cleaned_at_ns: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -105,9 +108,11 @@ class OutputRateLimiter:
         return len(self._cells)
 
     def rate_of(self, user: str) -> int:
-        """The limit that applies to ``user`` in tokens/s; 0 when limiting is off."""
-        rate = self._user_rates.get(user, self._default_rate)
-        return 0 if rate is None else rate
+        """The limit that applies to ``user`` in tokens/s; 0 when limiting is off
+        (explicit limits are kept but apply only while a default is set)."""
+        if self._default_rate is None:
+            return 0
+        return self._user_rates.get(user, self._default_rate)
 
     def try_take(self, user: str, now_ns: int) -> bool:
         """Reports whether ``user`` may output one token at ``now_ns``, and if so
@@ -184,6 +189,8 @@ class OutputRateLimiter:
 
         A dropped user who returns starts at ``TAT = now``, exactly what the kept
         state would give (``max(TAT, now)``), so cleaning never changes behaviour.
+        (Should a later call carry an earlier ``now``, the user starts at the
+        cleaning time instead: stricter, never looser.)
         """
         idle = [
             user
@@ -192,6 +199,8 @@ class OutputRateLimiter:
         ]
         for user in idle:
             del self._cells[user]
+        if self._cleaned_at_ns is None or now_ns > self._cleaned_at_ns:
+            self._cleaned_at_ns = now_ns
         return len(idle)
 
     def _cell(self, user: str, rate: int, now_ns: int) -> _Cell:
@@ -201,7 +210,8 @@ class OutputRateLimiter:
         """
         cell = self._cells.get(user)
         if cell is None:
-            cell = self._cells[user] = _Cell(scaled_tat=now_ns * rate, rate=rate)
+            start_ns = max(now_ns, self._cleaned_at_ns or now_ns)
+            cell = self._cells[user] = _Cell(scaled_tat=start_ns * rate, rate=rate)
         elif cell.rate != rate:
             debt = max(0, cell.scaled_tat - now_ns * cell.rate)
             cell.scaled_tat = now_ns * rate + debt
