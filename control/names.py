@@ -1,0 +1,50 @@
+"""Resource names of the API (AIP-122): ``limits/{user}``, ``userStates/{user}``
+and the singletons ``defaultLimit`` and ``limitsTable``.
+
+The user id is everything after the collection prefix, verbatim: ids may contain
+``/``, and escaping them would make names differ from the ids operators type.
+"""
+
+from __future__ import annotations
+
+from control.errors import InvalidArgument
+from control.table import check_user
+
+LIMITS = "limits/"
+USER_STATES = "userStates/"
+DEFAULT_LIMIT = "defaultLimit"
+LIMITS_TABLE = "limitsTable"
+
+
+def limit_name(user: str) -> str:
+    """``limits/{user}``."""
+    return LIMITS + user
+
+
+def user_state_name(user: str) -> str:
+    """``userStates/{user}``."""
+    return USER_STATES + user
+
+
+def parse_user(name: str, prefix: str, *, field: str) -> str:
+    """The user id of ``{prefix}{user}``; InvalidArgument naming ``field`` when
+    ``name`` has another form or the id is invalid."""
+    if not name.startswith(prefix):
+        raise InvalidArgument(
+            f"{field} must look like {prefix}{{user}}, got {shown(name)}"
+        )
+    return check_user(name[len(prefix) :], field=f"user id in {field}")
+
+
+def check_singleton(name: str, expected: str, *, field: str) -> None:
+    """Accepts ``expected`` or an empty name (singletons need no name)."""
+    if name not in ("", expected):
+        raise InvalidArgument(
+            f"{field} must be {expected!r} or empty, got {shown(name)}"
+        )
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """``value`` for an error message: quoted, escaped, cut after ``limit``
+    characters (messages must not echo unbounded client input)."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."

@@ -1,0 +1,242 @@
+"""The limits table's config file (``--user-output-rate-config PATH``): loaded at
+start, rewritten atomically after every accepted change, watched for edits.
+
+Format: see ``control.table`` (JSON for ``*.json``, YAML for ``*.yaml``/``*.yml``).
+
+Rules:
+
+- At start the table is the flags' table overlaid by the file: the file's
+  default wins over ``--default-user-output-tokens-per-second`` and the file's
+  entry wins for a user both name. A missing file is created from the flags; a
+  file that does not parse or validate stops the start-up with an error naming
+  the field (running on the flags alone could silently loosen limits).
+- Every accepted change (RPC) writes the whole table: a temp file in the same
+  directory, fsync, rename over the file, fsync the directory. A reader sees
+  the old file or the new one, never a mix; a crash leaves one of them. If the
+  write fails the change is not applied.
+- An edit of the file by anyone else is noticed within one poll interval
+  (content hash compared every poll) and applied as ``flags overlaid by file``.
+  An edit that does not parse or validate is logged, counted in ``failures``,
+  and ignored: the last good table stays in force until a good edit comes.
+- Limits survive a restart. TATs do not, on purpose: they are monotonic clock
+  readings that mean nothing in another process. So after a restart each user
+  starts with a full bucket: at most one extra burst (0.1 s of its limit, plus
+  one token) per user.
+- A user named in the flags but deleted by RPC comes back at the next restart
+  or file edit, as the flags still name it: remove it from the flags, too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import tempfile
+import threading
+from pathlib import Path
+
+from control.errors import InvalidArgument
+from control.service import LimitsService
+from control.table import TableDocument, dumps, format_of, loads
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 1.0
+_YAML_HEADER = (
+    "# Per-user output-token limits (tokens per second). Edits are applied live;\n"
+    "# the control plane rewrites this file after every change it accepts.\n"
+)
+
+
+def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
+    """``flags`` overlaid by ``file``: the file's default and users win."""
+    default = file.default_rate if file.default_rate is not None else flags.default_rate
+    return TableDocument(
+        default_rate=default, user_rates={**flags.user_rates, **file.user_rates}
+    )
+
+
+class ConfigFile:
+    """One config file: reads it, writes it atomically, and tells whether its
+    content changed since this object last read or wrote it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.format = format_of(str(path))
+        self._lock = threading.Lock()
+        self._seen: bytes | None = None  # hash of the content last read or written
+
+    def load(self) -> TableDocument | None:
+        """The file's table, or ``None`` when there is no file; InvalidArgument
+        naming the file and field when it does not parse or validate."""
+        with self._lock:
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                self._seen = None
+                return None
+            self._seen = _hash(data)
+            return self._parse(data)
+
+    def read_if_changed(self) -> TableDocument | None:
+        """The file's table if its content differs from what was last seen, else
+        ``None``. A bad new content raises InvalidArgument once and is then seen
+        (no repeated error until the next edit); a vanished file raises OSError
+        once."""
+        with self._lock:
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                if self._seen is None:
+                    return None
+                self._seen = None
+                raise
+            digest = _hash(data)
+            if digest == self._seen:
+                return None
+            self._seen = digest
+            return self._parse(data)
+
+    def write(self, doc: TableDocument) -> None:
+        """Replaces the file with ``doc`` atomically and durably; raises OSError
+        (and leaves no temp file) when that fails."""
+        text = dumps(doc, self.format)
+        if self.format == "yaml":
+            text = _YAML_HEADER + text
+        data = text.encode()
+        with self._lock:
+            # Through a symlink, replace its target, not the link.
+            target = self.path.resolve()
+            fd, temp = tempfile.mkstemp(
+                prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
+            )
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                _copy_mode(target, temp)
+                os.replace(temp, target)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise
+            _fsync_dir(target.parent)
+            self._seen = _hash(data)
+
+    def _parse(self, data: bytes) -> TableDocument:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"{self.path}: not UTF-8 ({exc.reason})") from None
+        return loads(text, self.format, source=str(self.path))
+
+
+def load_at_start(file: ConfigFile, flags: TableDocument) -> TableDocument:
+    """The table to start with: ``flags`` overlaid by the file, or ``flags``
+    written as a new file when there is none. Raises InvalidArgument for a bad
+    file and OSError when it cannot be read or created."""
+    doc = file.load()
+    if doc is None:
+        file.write(flags)
+        return flags
+    return merge(flags, doc)
+
+
+class ConfigWatcher:
+    """Applies edits of ``file`` to ``service`` (as ``flags`` overlaid by the
+    file), checking every ``interval_s`` in a daemon thread."""
+
+    def __init__(
+        self,
+        file: ConfigFile,
+        service: LimitsService,
+        flags: TableDocument,
+        *,
+        interval_s: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> None:
+        self._file = file
+        self._service = service
+        self._flags = flags
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+        self.last_error: str | None = None
+
+    @property
+    def failures(self) -> int:
+        """How many edits of the file were rejected so far."""
+        return self._failures
+
+    def poll(self) -> bool:
+        """Checks the file once; returns whether the table changed."""
+        return self._service.reload(self._read)
+
+    def start(self) -> None:
+        """Starts polling in a daemon thread."""
+        self._thread = threading.Thread(
+            target=self._run, name="output-rate-config-watcher", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops polling and waits for the thread to end."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                if self.poll():
+                    logger.info("applied an edit of %s", self._file.path)
+            except Exception:  # keep watching whatever one poll hit
+                self._reject("unexpected error")
+                logger.exception("checking %s failed", self._file.path)
+
+    def _read(self) -> TableDocument | None:
+        try:
+            doc = self._file.read_if_changed()
+        except InvalidArgument as exc:
+            self._reject(str(exc))
+            logger.error(
+                "ignored an edit of the config file, keeping the last good table: %s",
+                exc,
+            )
+            return None
+        except OSError as exc:
+            self._reject(f"{self._file.path}: {exc}")
+            logger.error(
+                "cannot read the config file, keeping the last good table: %s", exc
+            )
+            return None
+        return None if doc is None else merge(self._flags, doc)
+
+    def _reject(self, error: str) -> None:
+        self._failures += 1
+        self.last_error = error
+
+
+def _hash(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _copy_mode(target: Path, temp: str) -> None:
+    """Keeps an existing file's permissions (mkstemp creates 0600)."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(temp, mode)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes the rename durable: on POSIX it lives in the directory's entry."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

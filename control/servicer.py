@@ -1,0 +1,174 @@
+"""The ``outputrate.v1.OutputRateControl`` servicer: translates messages to and
+from ``LimitsService`` calls, nothing else (errors are mapped by an interceptor).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import empty_pb2 as _empty_pb2
+
+from control import names
+from control.errors import ResourceExhausted
+from control.host import UserSnapshot
+from control.service import Limit, LimitsService, LimitsTable
+from protos.outputrate.v1 import output_rate_pb2 as _pb2
+from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
+
+#: Full name of the service, as health checks and reflection list it.
+SERVICE_NAME = _pb2.DESCRIPTOR.services_by_name["OutputRateControl"].full_name
+#: Concurrent watches allowed: each holds a server worker thread for its life.
+MAX_WATCHES = 4
+
+
+class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
+    """Serves ``service`` over gRPC; ``stop_watches()`` ends every open watch."""
+
+    def __init__(self, service: LimitsService, *, max_watches: int = MAX_WATCHES):
+        self._service = service
+        self._max_watches = max_watches
+        self._lock = threading.Lock()
+        self._watches: set[threading.Event] = set()
+        self._stopping = False
+
+    def GetDefaultLimit(self, request, context):
+        rate = self._service.get_default_limit(request.name)
+        return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, tokens_per_second=rate)
+
+    def UpdateDefaultLimit(self, request, context):
+        rate = self._service.update_default_limit(
+            request.default_limit.name,
+            request.default_limit.tokens_per_second,
+            list(request.update_mask.paths),
+        )
+        return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, tokens_per_second=rate)
+
+    def GetLimit(self, request, context):
+        return _limit(self._service.get_limit(request.name))
+
+    def ListLimits(self, request, context):
+        limits, token = self._service.list_limits(request.page_size, request.page_token)
+        return _pb2.ListLimitsResponse(
+            limits=[_limit(limit) for limit in limits], next_page_token=token
+        )
+
+    def CreateLimit(self, request, context):
+        return _limit(
+            self._service.create_limit(
+                request.limit_id, request.limit.tokens_per_second
+            )
+        )
+
+    def UpdateLimit(self, request, context):
+        return _limit(
+            self._service.update_limit(
+                request.limit.name,
+                request.limit.tokens_per_second,
+                list(request.update_mask.paths),
+                allow_missing=request.allow_missing,
+            )
+        )
+
+    def DeleteLimit(self, request, context):
+        self._service.delete_limit(request.name, allow_missing=request.allow_missing)
+        return _empty_pb2.Empty()
+
+    def GetLimitsTable(self, request, context):
+        return _table(self._service.get_limits_table(request.name))
+
+    def ReplaceLimitsTable(self, request, context):
+        table = request.limits_table
+        return _table(
+            self._service.replace_limits_table(
+                table.default_tokens_per_second,
+                [(limit.name, limit.tokens_per_second) for limit in table.limits],
+                table.etag,
+            )
+        )
+
+    def GetUserState(self, request, context):
+        return _user_state(self._service.get_user_state(request.name))
+
+    def ListUserStates(self, request, context):
+        states, token = self._service.list_user_states(
+            request.page_size, request.page_token, request.order_by
+        )
+        return _pb2.ListUserStatesResponse(
+            user_states=[_user_state(s) for s in states], next_page_token=token
+        )
+
+    def WatchUserStates(
+        self, request, context: grpc.ServicerContext
+    ) -> Iterator[_pb2.WatchUserStatesResponse]:
+        plan = self._service.plan_watch(
+            request.interval.ToNanoseconds() if request.HasField("interval") else None,
+            list(request.names),
+            request.order_by,
+            request.max_users,
+        )
+        done = threading.Event()  # set when the client leaves or the server stops
+        with self._lock:
+            if self._stopping or len(self._watches) >= self._max_watches:
+                raise ResourceExhausted(
+                    f"at most {self._max_watches} watches may be open at once"
+                )
+            self._watches.add(done)
+        try:
+            if not context.add_callback(done.set):
+                return  # the call has ended already
+            while True:
+                states = self._service.watch_states(plan)
+                yield _pb2.WatchUserStatesResponse(
+                    user_states=[_user_state(s) for s in states]
+                )
+                if done.wait(plan.interval_ns / 1e9):
+                    return
+        finally:
+            with self._lock:
+                self._watches.discard(done)
+
+    def stop_watches(self) -> None:
+        """Ends every open watch and refuses new ones (for a graceful stop)."""
+        with self._lock:
+            self._stopping = True
+            for done in self._watches:
+                done.set()
+
+
+def _limit(limit: Limit) -> _pb2.Limit:
+    return _pb2.Limit(name=limit.name, tokens_per_second=limit.tokens_per_second)
+
+
+def _table(table: LimitsTable) -> _pb2.LimitsTable:
+    return _pb2.LimitsTable(
+        name=names.LIMITS_TABLE,
+        default_tokens_per_second=table.default_tokens_per_second,
+        limits=[_limit(limit) for limit in table.limits],
+        etag=table.etag,
+    )
+
+
+def _user_state(state: UserSnapshot) -> _pb2.UserState:
+    return _pb2.UserState(
+        name=names.user_state_name(state.user),
+        user=state.user,
+        limit_tokens_per_second=state.limit,
+        tat_lead=_duration(state.tat_lead_ns),
+        next_token_in=_duration(state.next_token_in_ns),
+        tokens_charged=state.tokens_charged,
+        refunds=state.refunds,
+        throttled_skips=state.throttled_skips,
+        throttled_preemptions=state.throttled_preemptions,
+        running_requests=state.running_requests,
+        throttled_requests=state.throttled_requests,
+        recent_tokens_per_second=state.recent_tokens_per_second,
+    )
+
+
+def _duration(ns: int) -> _duration_pb2.Duration:
+    duration = _duration_pb2.Duration()
+    duration.FromNanoseconds(ns)
+    return duration

@@ -1,0 +1,1 @@
+"""Generated protocol buffer and gRPC code of the project's APIs."""

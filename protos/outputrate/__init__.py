@@ -1,0 +1,1 @@
+"""Protocol buffers of the output-rate control plane."""

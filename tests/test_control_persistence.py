@@ -1,0 +1,335 @@
+"""The config file: load at start, atomic write-back, live edits, bad files,
+restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import grpc
+import pytest
+
+from control.errors import InvalidArgument
+from control.persistence import ConfigFile, ConfigWatcher, load_at_start, merge
+from control.runner import serve
+from control.service import LimitsService
+from control.settings import ControlSettings
+from control.table import TableDocument
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc
+from tests.control_harness import make_rig, serving
+
+FLAGS = TableDocument(default_rate=10, user_rates={"flag-only": 1, "both": 2})
+
+
+@pytest.fixture(params=["json", "yaml"])
+def path(request, tmp_path):
+    return tmp_path / f"limits.{request.param}"
+
+
+def write_doc(path, doc: dict) -> None:
+    """An operator's edit (JSON is valid YAML, so one writer serves both)."""
+    path.write_text(json.dumps(doc))
+
+
+def files_in(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+# -- load at start -------------------------------------------------------------
+
+
+def test_the_file_wins_over_the_flags(path):
+    write_doc(path, {"default_tokens_per_second": 50, "users": {"both": 20, "file": 3}})
+    doc = load_at_start(ConfigFile(path), FLAGS)
+    assert doc.default_rate == 50
+    assert doc.user_rates == {"flag-only": 1, "both": 20, "file": 3}
+
+
+def test_a_file_without_default_keeps_the_flags_default(path):
+    write_doc(path, {"users": {"file": 3}})
+    assert load_at_start(ConfigFile(path), FLAGS).default_rate == 10
+
+
+def test_a_missing_file_is_created_from_the_flags(path):
+    assert load_at_start(ConfigFile(path), FLAGS) == FLAGS
+    assert ConfigFile(path).load() == FLAGS
+
+
+NOT_INT = "must be a positive integer (tokens per second), got"
+BAD_FILES = [
+    # (content, exact error after "<path>: ")
+    (
+        "[1, 2]",
+        "must be an object with 'default_tokens_per_second' and 'users', got list",
+    ),
+    (
+        '{"users": {}, "user": {}}',
+        "unknown field(s) 'user'; "
+        "expected 'default_tokens_per_second', 'users', 'etag'",
+    ),
+    (
+        '{"default_tokens_per_second": 1.5}',
+        f"default_tokens_per_second {NOT_INT} 1.5 of type float",
+    ),
+    (
+        '{"default_tokens_per_second": 0}',
+        "default_tokens_per_second must be between 1 and 1000000, got 0",
+    ),
+    (
+        '{"default_tokens_per_second": true}',
+        f"default_tokens_per_second {NOT_INT} True of type bool",
+    ),
+    (
+        '{"users": {"a": 2000000}}',
+        "users['a'] must be between 1 and 1000000, got 2000000",
+    ),
+    ('{"users": {"a": -1}}', "users['a'] must be between 1 and 1000000, got -1"),
+    (
+        '{"users": {"a": "10"}}',
+        f"users['a'] {NOT_INT} '10' of type str",
+    ),
+    ('{"users": {"": 1}}', "user id '' must not be empty"),
+    (
+        '{"users": {"a\\u0001": 1}}',
+        "user id 'a\\x01' must not contain control characters",
+    ),
+    (
+        '{"users": ["a"]}',
+        "users must be an object mapping user ids to tokens per second, got list",
+    ),
+    ('{"users": {"a": 1, "a": 2}}', "duplicate key 'a'"),
+]
+
+
+@pytest.mark.parametrize(("content", "message"), BAD_FILES)
+def test_a_bad_file_stops_the_start_with_a_message_naming_the_field(
+    path, content, message
+):
+    path.write_text(content)
+    with pytest.raises(InvalidArgument) as info:
+        load_at_start(ConfigFile(path), FLAGS)
+    assert str(info.value) == f"{path}: {message}"
+
+
+def test_syntax_errors_name_the_format(tmp_path):
+    path = tmp_path / "limits.json"
+    path.write_text("{")
+    with pytest.raises(InvalidArgument, match=r"limits.json: not valid JSON"):
+        ConfigFile(path).load()
+    path = tmp_path / "limits.yaml"
+    path.write_text("users: [")
+    with pytest.raises(InvalidArgument, match=r"limits.yaml: not valid YAML"):
+        ConfigFile(path).load()
+
+
+def test_yaml_duplicate_users_are_refused(tmp_path):
+    path = tmp_path / "limits.yml"
+    path.write_text("users:\n  a: 1\n  a: 2\n")
+    with pytest.raises(InvalidArgument, match="duplicate key 'a'"):
+        ConfigFile(path).load()
+
+
+def test_an_unknown_extension_is_refused(tmp_path):
+    with pytest.raises(InvalidArgument, match=r"name the file \*.json, \*.yaml"):
+        ConfigFile(tmp_path / "limits.txt")
+
+
+# -- write-back ----------------------------------------------------------------
+
+
+@pytest.fixture
+def rig():
+    return make_rig(10, {"alice": 5})
+
+
+def started(path, rig) -> tuple[LimitsService, ConfigFile]:
+    file = ConfigFile(path)
+    service = LimitsService(rig.host, persist=file.write)
+    doc = load_at_start(file, TableDocument(10, {"alice": 5}))
+    service.reload(lambda: doc)
+    return service, file
+
+
+def test_every_accepted_change_is_written_atomically(path, rig):
+    service, _ = started(path, rig)
+    path.chmod(0o640)
+    with serving(service) as served:
+        for i in range(20):
+            served.stub.UpdateLimit(
+                pb.UpdateLimitRequest(
+                    limit=pb.Limit(name=f"limits/u{i}", tokens_per_second=i + 1),
+                    allow_missing=True,
+                )
+            )
+        served.stub.DeleteLimit(pb.DeleteLimitRequest(name="limits/alice"))
+        served.stub.UpdateDefaultLimit(
+            pb.UpdateDefaultLimitRequest(
+                default_limit=pb.DefaultLimit(tokens_per_second=7)
+            )
+        )
+    assert files_in(path.parent) == [path.name]  # no temp files left behind
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # permissions kept
+    assert ConfigFile(path).load() == TableDocument(
+        default_rate=7, user_rates={f"u{i}": i + 1 for i in range(20)}
+    )
+
+
+def test_a_failed_write_applies_nothing(path, rig, monkeypatch):
+    service, _ = started(path, rig)
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    with serving(service) as served:
+        before = served.stub.GetLimitsTable(pb.GetLimitsTableRequest())
+        monkeypatch.setattr(os, "replace", full_disk)
+        with pytest.raises(grpc.RpcError) as info:
+            served.stub.UpdateLimit(
+                pb.UpdateLimitRequest(
+                    limit=pb.Limit(name="limits/alice", tokens_per_second=99)
+                )
+            )
+        monkeypatch.undo()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "No space left on device" in info.value.details()
+        assert served.stub.GetLimitsTable(pb.GetLimitsTableRequest()) == before
+    assert rig.limiter.rate_of("alice") == 5
+    assert files_in(path.parent) == [path.name]
+
+
+def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
+    real = tmp_path / "real" / "limits.json"
+    real.parent.mkdir()
+    link = tmp_path / "limits.json"
+    link.symlink_to(real)
+    ConfigFile(link).write(TableDocument(3, {"x": 1}))
+    assert link.is_symlink()
+    assert ConfigFile(real).load() == TableDocument(3, {"x": 1})
+
+
+# -- live edits ------------------------------------------------------------------
+
+
+def watcher_for(path, rig, **kwargs) -> tuple[ConfigWatcher, LimitsService]:
+    service, file = started(path, rig)
+    flags = TableDocument(10, {"alice": 5})
+    return ConfigWatcher(file, service, flags, **kwargs), service
+
+
+def test_our_own_writes_are_not_reapplied(path, rig):
+    watcher, service = watcher_for(path, rig)
+    service.update_limit("limits/bob", 4, [], allow_missing=True)
+    etag = service.get_limits_table("").etag
+    assert watcher.poll() is False
+    assert service.get_limits_table("").etag == etag
+
+
+def test_an_external_edit_is_applied(path, rig):
+    watcher, service = watcher_for(path, rig)
+    etag = service.get_limits_table("").etag
+    wakes = len(rig.wakes)
+    write_doc(path, {"default_tokens_per_second": 30, "users": {"carol": 9}})
+    assert watcher.poll() is True
+    assert rig.limiter.default_rate == 30
+    # Flags overlaid by the file: alice comes from the flags.
+    assert rig.limiter.user_rates == {"alice": 5, "carol": 9}
+    assert service.get_limits_table("").etag != etag
+    assert len(rig.wakes) == wakes + 1
+    assert watcher.poll() is False  # nothing new
+
+
+def test_an_edit_with_the_same_table_changes_nothing(path, rig):
+    watcher, service = watcher_for(path, rig)
+    etag = service.get_limits_table("").etag
+    path.write_text('{"users": {"alice": 5}, "default_tokens_per_second": 10}\n\n')
+    assert watcher.poll() is False
+    assert service.get_limits_table("").etag == etag
+
+
+def test_a_corrupt_edit_keeps_the_last_good_table_and_is_counted_once(path, rig):
+    watcher, service = watcher_for(path, rig)
+    write_doc(path, {"users": {"alice": 6}})
+    assert watcher.poll() is True
+    good = service.get_limits_table("")
+    path.write_text('{"users": {"alice": ')
+    assert watcher.poll() is False
+    assert watcher.failures == 1
+    assert "not valid" in watcher.last_error
+    assert watcher.poll() is False
+    assert watcher.failures == 1  # the same bad content is reported once
+    write_doc(path, {"users": {"alice": 0}})
+    assert watcher.poll() is False
+    assert watcher.failures == 2
+    assert "users['alice'] must be between 1 and 1000000, got 0" in watcher.last_error
+    assert service.get_limits_table("") == good
+    write_doc(path, {"users": {"alice": 8}})
+    assert watcher.poll() is True
+    assert rig.limiter.rate_of("alice") == 8
+
+
+def test_a_deleted_file_keeps_the_table_and_is_recreated_by_the_next_change(path, rig):
+    watcher, service = watcher_for(path, rig)
+    path.unlink()
+    assert watcher.poll() is False
+    assert watcher.failures == 1
+    assert rig.limiter.rate_of("alice") == 5
+    service.update_limit("limits/alice", 6, [], allow_missing=False)
+    assert ConfigFile(path).load().user_rates == {"alice": 6}
+
+
+def test_the_watcher_thread_picks_up_edits(path, rig):
+    watcher, _ = watcher_for(path, rig, interval_s=0.02)
+    watcher.start()
+    try:
+        write_doc(path, {"users": {"alice": 42}})
+        deadline = time.monotonic() + 5
+        while rig.limiter.rate_of("alice") != 42 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        watcher.stop()
+    assert rig.limiter.rate_of("alice") == 42
+
+
+def test_merge_lets_the_file_win():
+    merged = merge(FLAGS, TableDocument(None, {"both": 5}))
+    assert merged == TableDocument(10, {"flag-only": 1, "both": 5})
+
+
+# -- restart ---------------------------------------------------------------------
+
+
+def test_limits_survive_a_restart(path):
+    settings = ControlSettings(address="127.0.0.1:0", config_path=str(path))
+    first = make_rig(10, {"alice": 5})
+    plane = serve(first.host, settings)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{plane.port}")
+        stub = output_rate_pb2_grpc.OutputRateControlStub(channel)
+        stub.UpdateLimit(
+            pb.UpdateLimitRequest(
+                limit=pb.Limit(name="limits/bob", tokens_per_second=77),
+                allow_missing=True,
+            )
+        )
+        stub.UpdateDefaultLimit(
+            pb.UpdateDefaultLimitRequest(
+                default_limit=pb.DefaultLimit(tokens_per_second=25)
+            )
+        )
+        channel.close()
+    finally:
+        plane.stop(0)
+    # A new engine process: the limiter is built from the same flags again.
+    second = make_rig(10, {"alice": 5})
+    plane = serve(second.host, settings)
+    try:
+        assert second.limiter.rate_of("bob") == 77
+        assert second.limiter.default_rate == 25
+        assert second.limiter.rate_of("alice") == 5
+        # TATs start afresh: bob may burst again.
+        assert second.limiter.lead_ns("bob", second.clock()) == 0
+    finally:
+        plane.stop(0)
