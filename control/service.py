@@ -210,7 +210,7 @@ class LimitsService:
         with self._host.lock:
             default, users = self._table_locked()
             etag = self._etag()
-        return _table(default, users, etag)
+        return _table(default or 0, users, etag)
 
     def replace_limits_table(
         self,
@@ -258,7 +258,7 @@ class LimitsService:
             new_default = doc.default_rate if doc.default_rate is not None else default
             if (new_default, dict(doc.user_rates)) == (default, users):
                 return False
-            self._apply(new_default or None, dict(doc.user_rates))
+            self._apply(new_default, dict(doc.user_rates))
         self._host.wake()
         return True
 
@@ -266,7 +266,7 @@ class LimitsService:
         """The current table as a document (for the config file)."""
         with self._host.lock:
             default, users = self._table_locked()
-        return TableDocument(default_rate=default or None, user_rates=users)
+        return TableDocument(default_rate=default, user_rates=users)
 
     # -- user state --------------------------------------------------------
 
@@ -350,14 +350,15 @@ class LimitsService:
 
     # -- helpers -----------------------------------------------------------
 
-    def _table(self) -> tuple[int, dict[str, int]]:
+    def _table(self) -> tuple[int | None, dict[str, int]]:
         with self._host.lock:
             return self._table_locked()
 
-    def _table_locked(self) -> tuple[int, dict[str, int]]:
-        """(default or 0, copy of explicit limits). Requires host.lock."""
+    def _table_locked(self) -> tuple[int | None, dict[str, int]]:
+        """(default, None while pacing is off; copy of the explicit limits).
+        Requires host.lock."""
         limiter = self._host.limiter
-        return limiter.default_rate or 0, limiter.user_rates
+        return limiter.default_rate, limiter.user_rates
 
     def _etag(self) -> str:
         return f"{self._epoch}-{self._generation}"
@@ -369,7 +370,7 @@ class LimitsService:
                 "delete some first"
             )
 
-    def _commit(self, default: int, users: dict[str, int]) -> str:
+    def _commit(self, default: int | None, users: dict[str, int]) -> str:
         """Persists, applies and announces a whole new table; returns its etag.
         Requires self._changes."""
         if self._persist is not None:

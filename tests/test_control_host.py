@@ -33,6 +33,17 @@ def test_a_change_waits_for_the_step_holding_the_lock():
     assert rig.limiter.default_rate == 20
 
 
+def test_wake_can_be_attached_after_construction():
+    rig = make_rig(10)
+    rig.host.wake()  # the harness's recorder
+    calls = []
+    rig.host.set_wake(lambda: calls.append(1))
+    LimitsService(rig.host).update_default_limit("", 11, [])
+    assert (len(rig.wakes), calls) == (1, [1])
+    rig.host.set_wake(None)
+    rig.host.wake()  # nothing to wake: no error
+
+
 def test_a_reading_is_taken_at_one_instant():
     rig = make_rig(10)
     rig.step("a", 3)

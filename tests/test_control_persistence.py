@@ -200,6 +200,19 @@ def test_a_failed_write_applies_nothing(path, rig, monkeypatch):
     assert files_in(path.parent) == [path.name]
 
 
+def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
+    rig = make_rig(None)
+    file = ConfigFile(tmp_path / "limits.json")
+    service = LimitsService(rig.host, persist=file.write)
+    service.create_limit("a", 5)
+    assert file.load() == TableDocument(None, {"a": 5})
+    assert service.get_limits_table("").default_tokens_per_second == 0
+    assert rig.limiter.rate_of("a") == 0  # explicit limits wait for a default
+    service.update_default_limit("", 9, [])
+    assert rig.limiter.rate_of("a") == 5
+    assert file.load() == TableDocument(9, {"a": 5})
+
+
 def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
     real = tmp_path / "real" / "limits.json"
     real.parent.mkdir()
