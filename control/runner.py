@@ -1,5 +1,30 @@
 """Wires the control plane together inside the engine-core process: config
-file, service, server, file watcher. The one place that does."""
+file, service, server, file watcher. The one place that does.
+
+How the scheduler hosts it (``host`` is a ``control.host.LimiterHost``)::
+
+    # __init__, after the limiter and the accounting exist:
+    self.output_rate_host = LimiterHost(
+        self.limiter, self.accounting, lambda: self.clock(), self._counts_by_user
+    )
+    self.output_rate_control = serve_from_additional_config(
+        self.output_rate_host, self.vllm_config.additional_config
+    )
+
+    # schedule(): the whole step under the lock, then on_step
+    with self.output_rate_host.lock:
+        output = ...  # today's schedule(), _settle() included
+        self.output_rate_host.on_step(step.now_ns)
+
+    # shutdown(): before upstream's
+    if self.output_rate_control is not None:
+        self.output_rate_control.stop()
+
+and, once the engine exists (``EngineCoreProc``), the idle-wait wake-up::
+
+    host.set_wake(lambda: engine.input_queue.put_nowait(
+        (EngineCoreRequestType.WAKEUP, None)))
+"""
 
 from __future__ import annotations
 

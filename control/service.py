@@ -262,12 +262,6 @@ class LimitsService:
         self._host.wake()
         return True
 
-    def document(self) -> TableDocument:
-        """The current table as a document (for the config file)."""
-        with self._host.lock:
-            default, users = self._table_locked()
-        return TableDocument(default_rate=default, user_rates=users)
-
     # -- user state --------------------------------------------------------
 
     def get_user_state(self, name: str) -> UserSnapshot:
