@@ -4,7 +4,8 @@ Like Prometheus' ``rate()``: every ``interval_ns`` the caller hands in each
 user's cumulative net charged tokens; ``rate()`` divides the growth since the
 newest sample at least ``window_ns`` old by the time since that sample. So the
 measured span is ``window_ns`` to ``window_ns + interval_ns`` (shorter only in
-the first ``window_ns`` after start). The clock comes in with every call.
+the first ``window_ns`` after start, but never under ``interval_ns``). The
+clock comes in with every call.
 
 A counter that shrank was reset (the engine forgot an idle user); its current
 value is then the growth since the reset.
@@ -54,7 +55,9 @@ class RecentRates:
         base = self._base(now_ns)
         if base is None or now_ns <= base[0]:
             return dict.fromkeys(totals, 0.0)
-        then, elapsed_ns = base[1], now_ns - base[0]
+        # At least one interval: right after the first sample a few tokens over
+        # a few ms would read as a huge rate.
+        then, elapsed_ns = base[1], max(now_ns - base[0], self._interval_ns)
         rates = {}
         for user, total in totals.items():
             before = then.get(user, 0)

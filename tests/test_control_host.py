@@ -100,7 +100,15 @@ def test_recent_rates_on_a_time_grid():
 def test_rates_between_samples_use_the_elapsed_time():
     rates = RecentRates(window_ns=5 * S, interval_ns=S)
     rates.observe(T0, lambda: {"u": 0})
-    assert rates.rate("u", T0 + S // 2, 5) == pytest.approx(10.0)
+    rates.observe(T0 + S, lambda: {"u": 10})
+    assert rates.rate("u", T0 + 3 * S // 2, 15) == pytest.approx(10.0)
+
+
+def test_a_rate_is_measured_over_at_least_one_interval():
+    """Two tokens 30 ms after the first sample are not 67 tokens/s."""
+    rates = RecentRates(window_ns=5 * S, interval_ns=S)
+    rates.observe(T0, lambda: {"u": 0})
+    assert rates.rate("u", T0 + 30_000_000, 2) == pytest.approx(2.0)
 
 
 def test_samples_are_taken_at_most_once_per_interval():
