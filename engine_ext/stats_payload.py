@@ -71,6 +71,8 @@ GRPC_CODES = frozenset(
     }
 )
 RELOAD_RESULTS = ("success", "failure")
+#: Label values with a meaning of their own; a user so named is never labelled.
+_RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
 #: The per-user counters carried, in ``UserCounters`` field names.
 COUNTER_FIELDS = tuple(f.name for f in fields(UserCounters))
 
@@ -290,7 +292,8 @@ class PayloadBuilder:
         if row := _nonzero(other):
             users[OTHER_USER] = row
 
-        control = control or ControlPlaneSnapshot()
+        # No snapshot means no control-plane news (not a reset to zero).
+        control = self._last_control if control is None else control
         previous, self._last_control = self._last_control, control
         idle_waits, self._idle_waits = self._idle_waits, []
         return {
@@ -318,7 +321,12 @@ class PayloadBuilder:
             del self._labelled[user]
             self._last.pop(user, None)
         if len(self._labelled) < self._cap:
-            for user in sorted(u for u in user_rates if u not in self._labelled):
+            candidates = (
+                u
+                for u in user_rates
+                if u not in self._labelled and u not in _RESERVED_LABELS
+            )
+            for user in sorted(candidates):
                 if len(self._labelled) >= self._cap:
                     break
                 self._labelled[user] = None

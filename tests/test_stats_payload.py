@@ -89,6 +89,14 @@ def test_a_cap_of_zero_labels_nobody() -> None:
     assert raw["users"] == {OTHER_USER: {"refunds": 1}}
 
 
+def test_users_named_like_reserved_labels_are_never_labelled() -> None:
+    accounting = Accounting()
+    accounting.record("__default__", "charged")
+    raw = build(PayloadBuilder(), accounting, {"__other__": 5, "__default__": 6})
+    assert raw["limits"] == {}
+    assert raw["users"] == {OTHER_USER: {"charged": 1}}
+
+
 def test_counters_are_deltas_since_the_previous_payload() -> None:
     accounting = Accounting()
     builder = PayloadBuilder()
@@ -231,6 +239,12 @@ def test_control_plane_counters_travel_as_deltas() -> None:
     assert payload.limit_changes == 0
     assert payload.config_reloads == {"failure": 1}
     assert payload.control_rpcs == {}
+    # A payload built without a snapshot carries no control-plane news, and the
+    # next snapshot is not counted again from zero.
+    assert parse(build(builder, Accounting(), {})).config_reloads == {}
+    counters.limit_changed()
+    payload = parse(build(builder, Accounting(), {}, control=counters.snapshot()))
+    assert (payload.limit_changes, payload.config_reloads) == (1, {})
 
 
 def test_rpc_labels_are_bounded() -> None:
