@@ -293,7 +293,7 @@ class PayloadBuilder:
             users[OTHER_USER] = row
 
         # No snapshot means no control-plane news (not a reset to zero).
-        control = self._last_control if control is None else control
+        control = self._last_control if control is None else _normalized(control)
         previous, self._last_control = self._last_control, control
         idle_waits, self._idle_waits = self._idle_waits, []
         return {
@@ -445,6 +445,25 @@ def _nonzero(counters: UserCounters) -> dict[str, int]:
         for name in COUNTER_FIELDS
         if (value := getattr(counters, name)) != 0
     }
+
+
+def _normalized(snapshot: ControlPlaneSnapshot) -> ControlPlaneSnapshot:
+    """``snapshot`` with label values ``parse`` accepts: unknown status codes
+    become ``UNKNOWN``, unknown reload results are left out (one bad value must
+    not get every later payload rejected)."""
+    rpcs: dict[tuple[str, str], int] = {}
+    for (method, code), count in snapshot.rpcs.items():
+        key = (method, code if code in GRPC_CODES else "UNKNOWN")
+        rpcs[key] = rpcs.get(key, 0) + count
+    return ControlPlaneSnapshot(
+        limit_changes=snapshot.limit_changes,
+        config_reloads={
+            result: count
+            for result, count in snapshot.config_reloads.items()
+            if result in RELOAD_RESULTS
+        },
+        rpcs=rpcs,
+    )
 
 
 def _positive_deltas(now: Mapping[Any, int], before: Mapping[Any, int]) -> dict:

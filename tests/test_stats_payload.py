@@ -25,6 +25,7 @@ from engine_ext.stats_payload import (
     PAYLOAD_KEY,
     SETTINGS_KEY,
     ControlPlaneCounters,
+    ControlPlaneSnapshot,
     MetricsSettings,
     PayloadBuilder,
     PayloadError,
@@ -257,6 +258,21 @@ def test_rpc_labels_are_bounded() -> None:
     assert len(methods) == MAX_RPC_METHODS + 1
     assert rpcs[(OTHER_METHOD, "UNIMPLEMENTED")] == 5
     assert rpcs[(OTHER_METHOD, "UNKNOWN")] == 1
+
+
+def test_snapshots_from_elsewhere_are_normalised_not_rejected() -> None:
+    """The control plane may hand in its own counts (e.g. full method names)."""
+    snapshot = ControlPlaneSnapshot(
+        limit_changes=1,
+        config_reloads={"success": 2, "partial": 1},
+        rpcs={("/pkg.Svc/Set", "OK"): 3, ("/pkg.Svc/Set", "weird"): 1},
+    )
+    payload = parse(build(PayloadBuilder(), Accounting(), {}, control=snapshot))
+    assert payload.config_reloads == {"success": 2}
+    assert payload.control_rpcs == {
+        ("/pkg.Svc/Set", "OK"): 3,
+        ("/pkg.Svc/Set", "UNKNOWN"): 1,
+    }
 
 
 def test_attach_and_take_payload_leave_connector_data_alone() -> None:
