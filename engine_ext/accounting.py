@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 
 
 @dataclass
@@ -35,6 +37,11 @@ class Accounting:
 
     def users(self) -> list[str]:
         return list(self._users)
+
+    def by_user(self) -> Mapping[str, UserCounters]:
+        """A read-only live view of every user's counters (not copied: cheap
+        for many users; read it only while nothing records)."""
+        return MappingProxyType(self._users)
 
     def record(self, user: str, event: str, count: int = 1) -> None:
         """Adds ``count`` to counter ``event`` (a ``UserCounters`` field name)."""

@@ -129,6 +129,8 @@ def _user_rates_arg(raw: str) -> str:
 
 
 def _add_cli_args(original, parser):
+    from control import settings as control_settings
+
     parser = original(parser)
     group = parser.add_argument_group(
         "Per-user output pacing",
@@ -148,6 +150,7 @@ def _add_cli_args(original, parser):
         default=None,
         help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
     )
+    control_settings.add_cli_args(group)
     return parser
 
 
@@ -158,8 +161,15 @@ def _from_cli_args(original, args: argparse.Namespace):
         getattr(args, _dest(USER_RATES_FLAG), None),
     )
     if config.enabled:
+        from control.settings import ADDITIONAL_CONFIG_KEY, ControlSettings
+
         additional = dict(engine_args.additional_config or {})
         additional["output_rate"] = config.to_additional_config()
+        try:
+            control = ControlSettings.from_cli_args(args)
+        except ValueError as exc:
+            raise OutputRateConfigError(str(exc)) from None
+        additional[ADDITIONAL_CONFIG_KEY] = control.to_additional_config()
         engine_args.additional_config = additional
         middleware = getattr(args, "middleware", None)
         if isinstance(middleware, list) and HTTP_GUARD not in middleware:
@@ -199,6 +209,13 @@ def idle_wait_timeout_s(scheduler: object, now_ns: int) -> float | None:
     return min(IDLE_WAIT_CAP_S, max(0, ready_ns - now_ns) / 1e9)
 
 
+def _wake_engine(engine) -> None:
+    """Ends an idle wait at once: vLLM's engine drops WAKEUP requests."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
 def wait_for_input(engine, timeout_s: float) -> bool:
     """Blocks on the engine's input queue for up to ``timeout_s``; a new request
     or an abort ends the wait at once and is handled. Returns whether one came."""
@@ -211,6 +228,9 @@ def wait_for_input(engine, timeout_s: float) -> bool:
 
 
 def _process_engine_step(original, engine) -> bool:
+    if getattr(engine.scheduler, "output_rate_wake_unbound", False):
+        engine.scheduler.output_rate_wake_unbound = False
+        engine.scheduler.bind_wake(functools.partial(_wake_engine, engine))
     model_executed = original(engine)
     if not model_executed:
         timeout_s = idle_wait_timeout_s(engine.scheduler, time.monotonic_ns())

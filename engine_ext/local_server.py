@@ -30,6 +30,7 @@ class VllmServer:
     base_url: str
     model: str
     log_path: Path
+    control_address: str | None = None  #: the gRPC control plane, when started
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(

