@@ -124,8 +124,7 @@ class LimiterHost:
 
     def _net_charged(self) -> dict[str, int]:
         return {
-            user: c.charged - c.refunds
-            for user, c in self.accounting.by_user().items()
+            user: c.charged - c.refunds for user, c in self.accounting.by_user().items()
         }
 
 

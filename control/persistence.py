@@ -164,12 +164,18 @@ class ConfigWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failures = 0
+        self._successes = 0
         self.last_error: str | None = None
 
     @property
     def failures(self) -> int:
         """How many edits of the file were rejected so far."""
         return self._failures
+
+    @property
+    def successes(self) -> int:
+        """How many edits of the file were applied so far."""
+        return self._successes
 
     def poll(self) -> bool:
         """Checks the file once; returns whether the table changed."""
@@ -192,6 +198,7 @@ class ConfigWatcher:
         while not self._stop.wait(self._interval_s):
             try:
                 if self.poll():
+                    self._successes += 1
                     logger.info("applied an edit of %s", self._file.path)
             except Exception:  # keep watching whatever one poll hit
                 self._reject("unexpected error")

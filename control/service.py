@@ -354,6 +354,11 @@ class LimitsService:
         limiter = self._host.limiter
         return limiter.default_rate, limiter.user_rates
 
+    @property
+    def limit_changes(self) -> int:
+        """How many table changes were applied (RPCs and file edits)."""
+        return self._generation
+
     def _etag(self) -> str:
         return f"{self._epoch}-{self._generation}"
 

@@ -189,11 +189,25 @@ def _create_engine_config(original, engine_args, *args, **kwargs):
         from engine_ext.scheduler import scheduler_class_for
 
         check_supported(vllm_config)
+        usage_context = kwargs.get("usage_context", args[0] if args else None)
+        _enable_metrics_transport(vllm_config, usage_context)
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = scheduler_class_for(
             scheduler_config.async_scheduling
         )
     return vllm_config
+
+
+def _enable_metrics_transport(vllm_config, usage_context) -> None:
+    """Lets the scheduler put its metrics into SchedulerStats, but only where our
+    stat logger will take them out again (vLLM's own logging stat logger would
+    crash on them)."""
+    from engine_ext.metrics import transport_enabled
+    from engine_ext.stats_payload import SETTINGS_KEY
+
+    if transport_enabled(usage_context):
+        entry = dict(vllm_config.additional_config.get(SETTINGS_KEY) or {})
+        vllm_config.additional_config[SETTINGS_KEY] = {**entry, "emit": True}
 
 
 # -- engine loop ------------------------------------------------------------
@@ -235,5 +249,9 @@ def _process_engine_step(original, engine) -> bool:
     if not model_executed:
         timeout_s = idle_wait_timeout_s(engine.scheduler, time.monotonic_ns())
         if timeout_s:
+            started = time.monotonic()
             wait_for_input(engine, timeout_s)
+            stats = getattr(engine.scheduler, "output_rate_stats", None)
+            if stats is not None:
+                stats.observe_idle_wait(time.monotonic() - started)
     return model_executed

@@ -49,6 +49,7 @@ from vllm.v1.request import Request, RequestStatus
 from control.host import LimiterHost
 from control.runner import ControlPlane, serve_from_additional_config
 from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
+from engine_ext import stats_payload
 from engine_ext.accounting import Accounting
 from engine_ext.config import OutputRateConfig
 from engine_ext.identity import ANONYMOUS_USER, user_from_extra_args
@@ -116,6 +117,16 @@ class OutputRateSchedulerMixin:
         self.output_rate_control: ControlPlane | None = None
         #: Set until the engine loop hook binds ``wake`` to the engine's queue.
         self.output_rate_wake_unbound = False
+        metrics = stats_payload.MetricsSettings.from_additional_config(
+            self.vllm_config.additional_config
+        )
+        #: Builds the metrics payload carried to the API process in the step's
+        #: SchedulerStats; None unless our stat logger is there to take it out.
+        self.output_rate_stats = (
+            stats_payload.PayloadBuilder(metrics.max_labelled_users)
+            if metrics.emit and self.limiter.enabled
+            else None
+        )
         if self.limiter.enabled:
             logger.info(
                 "per-user output pacing on (%s): default %d tok/s, %d user limits",
@@ -177,6 +188,36 @@ class OutputRateSchedulerMixin:
             self.output_rate_control.stop()
             self.output_rate_control = None
         super().shutdown()
+
+    def make_stats(self, *args, **kwargs):
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None and self.output_rate_stats is not None:
+            with self.output_rate_host.lock:
+                payload = self.output_rate_stats.build(
+                    accounting=self.accounting,
+                    user_rates=self.limiter.user_rates,
+                    default_rate=self.limiter.default_rate,
+                    throttled_requests=sum(t for _, t in self._request_counts.values()),
+                    tracked_users=self.limiter.tracked_users(),
+                    control=self._control_snapshot(),
+                )
+            stats_payload.attach(stats, payload)
+        return stats
+
+    def _control_snapshot(self) -> stats_payload.ControlPlaneSnapshot | None:
+        control = self.output_rate_control
+        if control is None:
+            return None
+        watcher = control.watcher
+        return stats_payload.ControlPlaneSnapshot(
+            limit_changes=control.service.limit_changes,
+            config_reloads=(
+                {}
+                if watcher is None
+                else {"success": watcher.successes, "failure": watcher.failures}
+            ),
+            rpcs=control.server.rpc_counts.snapshot(),
+        )
 
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """Lets control-plane changes end the engine's idle wait at once."""
@@ -263,6 +304,9 @@ class OutputRateSchedulerMixin:
             self._steps_since_cleanup = 0
             self.limiter.cleanup_idle_users(step.now_ns)
             live_users = set(self._user_of.values())
+            if self.output_rate_stats is not None:
+                # Labelled users' counters must survive for exact deltas.
+                live_users.update(self.output_rate_stats.labelled_users)
             self._last_served = {
                 user: rid
                 for user, rid in self._last_served.items()

@@ -27,6 +27,7 @@ SERVER_LIMITS = {
         "__anonymous__": 30,
         "user-parked": 2,
         "user-live": 10,
+        "user-fast": 100_000,
     },
 }
 

@@ -1,0 +1,116 @@
+"""End to end: the limiter's metrics on the vLLM server's own ``/metrics``, scraped
+by a real Prometheus while a throttled load runs; recording rules and every
+dashboard query evaluated there."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from dashboards.e2e_prometheus import PrometheusServer
+from engine_ext.measure import run_streams
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tests.prometheus_tools import require_binary
+
+pytestmark = pytest.mark.server
+
+DASHBOARD = (
+    Path(__file__).resolve().parents[1] / "dashboards" / "output_rate_dashboard.json"
+)
+RATIO = "model_name_user:vllm_output_rate_throttle_ratio:rate5m"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    flat = [p for panel in panels for p in [panel, *panel.get("panels", [])]]
+    return [
+        (panel["title"], target["expr"])
+        for panel in flat
+        for target in panel.get("targets", [])
+    ]
+
+
+def substitute(expr: str) -> str:
+    return (
+        expr.replace("$__rate_interval", "1m")
+        .replace("$model_name", ".*")
+        .replace("$user", ".*")
+    )
+
+
+def control_plane_events(server) -> None:
+    """A few RPCs (one refused), and an edit of the config file that is refused."""
+    with grpc.insecure_channel(server.control_address) as channel:
+        stub = pb_grpc.OutputRateControlStub(channel)
+        stub.GetDefaultLimit(pb.GetDefaultLimitRequest(name="defaultLimit"))
+        with pytest.raises(grpc.RpcError) as error:
+            stub.GetLimit(pb.GetLimitRequest(name="limits/nobody"))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    config = Path(server.log_path).parent / "limits.json"
+    good = config.read_text()
+    config.write_text("{not json")
+    return good
+
+
+def test_metrics_reach_vllm_metrics_and_prometheus(vllm_server):
+    require_binary("prometheus")
+    good_config = control_plane_events(vllm_server)
+    target = vllm_server.base_url.removeprefix("http://")
+    with PrometheusServer(target) as prometheus:
+        prometheus.wait_for('up{job="target"} == 1')
+        # Counters are born with the first step's events; let Prometheus see
+        # every series once before the load, so rate() counts all of it.
+        warm_up = [("user-a", 2), ("user-fast", 2)]
+        asyncio.run(run_streams(vllm_server.base_url, vllm_server.model, warm_up))
+        prometheus.wait_for(
+            'vllm:output_rate_tokens_charged_total{user="user-fast"} > 0'
+        )
+        streams = [("user-a", 60)] * 4 + [("user-fast", 60), ("user-c", 60)]
+        asyncio.run(run_streams(vllm_server.base_url, vllm_server.model, streams))
+        config = Path(vllm_server.log_path).parent / "limits.json"
+        config.write_text(good_config)
+
+        throttled = prometheus.wait_for(f'{RATIO}{{user="user-a"}} > 0')
+        unthrottled = prometheus.wait_for(f'{RATIO}{{user="user-fast"}}')
+        print(f"\nthrottle ratio user-a {throttled[0]['value'][1]}, "
+              f"user-fast {unthrottled[0]['value'][1]}")  # fmt: skip
+        assert float(unthrottled[0]["value"][1]) == 0.0
+
+        empty = []
+        for title, expr in dashboard_queries():
+            try:
+                prometheus.wait_for(substitute(expr), timeout_s=20)
+            except Exception as exc:
+                empty.append(f"{title}: {expr} ({exc})")
+        assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+
+    text = httpx.get(vllm_server.base_url + "/metrics", timeout=10).text
+    users = set(re.findall(r'vllm:output_rate_\w+\{[^}]*user="([^"]*)"', text))
+    allowed = set(json.loads(json.dumps(list(vllm_server_users())))) | {
+        "__other__",
+        "__default__",
+    }
+    assert users <= allowed, f"raw user ids leaked into labels: {users - allowed}"
+    assert "user-c" not in users
+    for name in (
+        "vllm:output_rate_tokens_charged_total",
+        "vllm:output_rate_throttled_skips_total",
+        "vllm:output_rate_tracked_users",
+        "vllm:output_rate_idle_wait_seconds_bucket",
+        "vllm:output_rate_control_rpcs_total",
+        "vllm:output_rate_config_reloads_total",
+    ):
+        assert name in text, name
+
+
+def vllm_server_users() -> list[str]:
+    from tests.conftest import SERVER_LIMITS
+
+    return list(SERVER_LIMITS["users"])
