@@ -17,6 +17,8 @@ vLLM version breaks at start-up, not at the first throttled request.
 - ``EngineCoreProc._process_engine_step``: when a step ran no model because every
   ready request was throttled, block on the input queue instead of vLLM's 1 ms
   polling sleep (see ``idle_wait_timeout_s``).
+- ``OutputProcessor.do_tracing``: puts a finished request's throttle totals on its
+  ``llm_request`` span (see ``engine_ext.request_tracing``).
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ def install() -> None:
     """Installs every hook (idempotent)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.output_processor import OutputProcessor
 
     _wrap(EngineArgs, "add_cli_args", _add_cli_args)
     _wrap(EngineArgs, "from_cli_args", _from_cli_args)
     _wrap(EngineArgs, "create_engine_config", _create_engine_config)
     _require(EngineCoreProc, "_handle_client_request")
     _wrap(EngineCoreProc, "_process_engine_step", _process_engine_step)
+    _wrap(OutputProcessor, "do_tracing", _do_tracing)
 
 
 def _require(owner: type, name: str) -> Any:
@@ -255,3 +259,15 @@ def _process_engine_step(original, engine) -> bool:
             if stats is not None:
                 stats.observe_idle_wait(time.monotonic() - started)
     return model_executed
+
+
+# -- request tracing (API process) --------------------------------------------
+
+
+def _do_tracing(original, processor, engine_core_output, *args, **kwargs):
+    from engine_ext.request_tracing import trace_request
+
+    return trace_request(
+        lambda: original(processor, engine_core_output, *args, **kwargs),
+        engine_core_output.trace_headers,
+    )

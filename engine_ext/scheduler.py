@@ -54,6 +54,7 @@ from engine_ext.accounting import Accounting
 from engine_ext.config import OutputRateConfig
 from engine_ext.identity import ANONYMOUS_USER, user_from_extra_args
 from engine_ext.limiter import OutputRateLimiter
+from engine_ext.request_tracing import with_throttle_headers
 
 # Under vLLM's logger so that its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -66,6 +67,15 @@ CLEANUP_EVERY_STEPS = 256
 #: victim choice, ``max(running, key=(priority, arrival_time))``, picks it first
 #: among requests of the same priority. Far beyond any real arrival time.
 _PRIORITY_VICTIM_BIAS_S = 1e12
+
+
+@dataclass
+class _Throttling:
+    """One request's time spent throttled (reported on its trace span)."""
+
+    steps: int = 0  #: steps in which it was passed over for lack of budget
+    total_ns: int = 0  #: closed throttled episodes, refusal to next dispatch
+    since_ns: int | None = None  #: start of the open episode
 
 
 @dataclass
@@ -117,6 +127,10 @@ class OutputRateSchedulerMixin:
         self.output_rate_control: ControlPlane | None = None
         #: Set until the engine loop hook binds ``wake`` to the engine's queue.
         self.output_rate_wake_unbound = False
+        #: Throttle totals of requests throttled at least once, kept only when
+        #: request tracing is on (they end up on the request's span).
+        self._tracing = bool(self.vllm_config.observability_config.otlp_traces_endpoint)
+        self._throttling: dict[str, _Throttling] = {}
         metrics = stats_payload.MetricsSettings.from_additional_config(
             self.vllm_config.additional_config
         )
@@ -152,6 +166,14 @@ class OutputRateSchedulerMixin:
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         self._user_of.pop(request.request_id, None)
+        throttling = self._throttling.pop(request.request_id, None)
+        if throttling is not None:
+            if throttling.since_ns is not None:
+                throttling.total_ns += self.clock() - throttling.since_ns
+            # Read back by the API process when it builds the request's span.
+            request.trace_headers = with_throttle_headers(
+                request.trace_headers, throttling.steps, throttling.total_ns / 1e9
+            )
         return super()._free_request(request, delay_free_blocks)
 
     def user_of(self, request: Request) -> str:
@@ -295,6 +317,10 @@ class OutputRateSchedulerMixin:
         for request_id, user in step.charged.items():
             if request_id in dispatched:
                 self._last_served[user] = request_id
+                throttling = self._throttling.get(request_id)
+                if throttling is not None and throttling.since_ns is not None:
+                    throttling.total_ns += step.now_ns - throttling.since_ns
+                    throttling.since_ns = None
             else:  # KV allocation failed, or preempted after being charged
                 self.limiter.refund(user, step.now_ns)
                 self.accounting.record(user, "refunds")
@@ -362,7 +388,7 @@ class OutputRateSchedulerMixin:
             self.accounting.record(user, "charged")
             return True
         self._refuse(step, user)
-        self.accounting.record(user, "throttled_skips")
+        self._record_skip(step, request, user)
         return False
 
     def _refuse(self, step: _Step, user: str) -> None:
@@ -386,8 +412,17 @@ class OutputRateSchedulerMixin:
             self._refuse(step, user)
         if self._prefill_can_stop_short(request):
             return True  # admitted; _reserve_prefill_lookahead stops it short
-        self.accounting.record(user, "throttled_skips")
+        self._record_skip(step, request, user)
         return False
+
+    def _record_skip(self, step: _Step, request: Request, user: str) -> None:
+        """Counts a request passed over for lack of budget in this step."""
+        self.accounting.record(user, "throttled_skips")
+        if self._tracing:
+            throttling = self._throttling.setdefault(request.request_id, _Throttling())
+            throttling.steps += 1
+            if throttling.since_ns is None:
+                throttling.since_ns = step.now_ns
 
     def _prefill_can_stop_short(self, request: Request) -> bool:
         """Whether a waiting request of a refused user can still be admitted for a

@@ -8,7 +8,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
@@ -54,6 +60,7 @@ def make_scheduler(
     policy: str = "fcfs",
     scheduler_cls: type | None = None,
     clock: FakeClock | None = None,
+    otlp_traces_endpoint: str | None = None,
 ):
     """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
     pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's)."""
@@ -82,6 +89,9 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         additional_config=additional,
+        observability_config=ObservabilityConfig(
+            otlp_traces_endpoint=otlp_traces_endpoint
+        ),
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
