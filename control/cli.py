@@ -110,10 +110,7 @@ def _list(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _get(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
-    limit = client.call(
-        "GetLimit", _pb2.GetLimitRequest(name=names.limit_name(args.user))
-    )
+def _emit_limit(out: TextIO, args: argparse.Namespace, limit: _pb2.Limit) -> None:
     _emit(
         out,
         args,
@@ -121,6 +118,13 @@ def _get(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
         [("USER", "user"), ("TOKENS/S", "tokens_per_second")],
         single=True,
     )
+
+
+def _get(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    limit = client.call(
+        "GetLimit", _pb2.GetLimitRequest(name=names.limit_name(args.user))
+    )
+    _emit_limit(out, args, limit)
     return EXIT_OK
 
 
@@ -142,13 +146,7 @@ def _set(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
                 allow_missing=True,
             ),
         )
-    _emit(
-        out,
-        args,
-        [_limit_dict(limit)],
-        [("USER", "user"), ("TOKENS/S", "tokens_per_second")],
-        single=True,
-    )
+    _emit_limit(out, args, limit)
     return EXIT_OK
 
 
