@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from engine_ext.local_server import VllmServer, process_cpu_seconds, start_server
-from engine_ext.measure import rates_by_user, run_streams
+from engine_ext.measure import bracketed, rates_by_user, run_streams
 from engine_ext.tiny_model import ensure_tiny_model
 
 LIMITS = {"user-a": 20, "user-b": 100, "user-parked": 2}
@@ -80,17 +80,14 @@ async def _paced_scenarios(server: VllmServer) -> dict:
             user: {"tokens": r.tokens, "span_s": r.span_s, "tok_s": r.tokens_per_s}
             for user, r in rates.items()
         }
-    await _c_request_rate(server)  # warm-up
-    solo = [await _c_request_rate(server) for _ in range(3)]
-    a_task = asyncio.create_task(
-        run_streams(server.base_url, server.model, [("user-a", 120)] * 4)
-    )
-    await asyncio.sleep(2)
-    beside = [await _c_request_rate(server) for _ in range(3)]
-    await a_task
-    out["c_solo_tok_s"] = solo
-    out["c_beside_a_tok_s"] = beside
-    out["c_ratio"] = statistics.median(beside) / statistics.median(solo)
+
+    async def throttled_a() -> None:
+        await run_streams(server.base_url, server.model, [("user-a", 10)] * 4)
+
+    c = await bracketed(lambda: _c_request_rate(server), throttled_a, 7, 0.3)
+    out["c_solo_tok_s"] = c.alone
+    out["c_beside_a_tok_s"] = c.beside
+    out["c_ratio"] = c.ratio
     return out
 
 
@@ -138,7 +135,7 @@ def _report(results: dict) -> None:
     print(
         f"user-c alone {statistics.median(results['c_solo_tok_s']):.1f} tok/s, beside "
         f"throttled A {statistics.median(results['c_beside_a_tok_s']):.1f} tok/s "
-        f"(ratio {results['c_ratio']:.3f})"
+        f"(median of bracketed ratios {results['c_ratio']:.3f})"
     )
     cpu = results["engine_core_cpu_parked"]
     print(

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -123,3 +124,43 @@ def rates_by_user(results: Sequence[StreamResult]) -> dict[str | None, UserRate]
         for user, ts in times.items()
         if ts
     }
+
+
+@dataclass(frozen=True)
+class Bracketed:
+    """A quantity measured alone and beside some load, run by run."""
+
+    alone: list[float]  #: one more than ``beside``: before, between, after
+    beside: list[float]
+
+    @property
+    def ratio(self) -> float:
+        """Median over the runs beside the load of each run's value over the mean
+        of the runs alone just before and after it: drift of a shared machine
+        cancels, and one slow run does not decide."""
+        return statistics.median(
+            value / ((self.alone[k] + self.alone[k + 1]) / 2)
+            for k, value in enumerate(self.beside)
+        )
+
+
+async def bracketed(
+    measure: Callable[[], Awaitable[float]],
+    load: Callable[[], Awaitable[object]],
+    cycles: int,
+    settle_s: float,
+) -> Bracketed:
+    """Runs ``measure`` alone, then ``cycles`` times: starts ``load``, waits
+    ``settle_s``, runs ``measure`` beside it, awaits the load, runs ``measure``
+    alone again. Raises if a load ends before its measurement does."""
+    await measure()  # warm-up, not kept
+    alone, beside = [await measure()], []
+    for _ in range(cycles):
+        task = asyncio.ensure_future(load())
+        await asyncio.sleep(settle_s)
+        beside.append(await measure())
+        if task.done():
+            raise RuntimeError("the load ended before the measurement beside it")
+        await task
+        alone.append(await measure())
+    return Bracketed(alone=alone, beside=beside)
