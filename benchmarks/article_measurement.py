@@ -144,9 +144,11 @@ def _report(results: dict) -> None:
     )
     if "throughput_upstream" in results:
         paced, upstream = results["throughput_paced"], results["throughput_upstream"]
+        ratio = statistics.median(paced) / statistics.median(upstream)
         print(
-            f"16 unthrottled streams: paced {paced:.0f} tok/s, upstream "
-            f"{upstream:.0f} tok/s (ratio {paced / upstream:.3f})"
+            f"16 unthrottled streams, tok/s per run: paced {[round(r) for r in paced]}"
+            f", upstream {[round(r) for r in upstream]} (ratio of medians {ratio:.3f};"
+            " one server each, so machine drift between them is not cancelled)"
         )
 
 

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         "paced, every user throttled": dict(default_rate=1),
     }
     results: dict[str, list[float]] = {name: [] for name in variants}
+    for kwargs in variants.values():  # warm-up: first-use costs, not kept
+        time_steps(model_dir, args.requests, 50, **kwargs)
     for _ in range(args.rounds):  # interleaved, so drift hits all alike
         for name, kwargs in variants.items():
             results[name].append(
