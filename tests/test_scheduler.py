@@ -50,6 +50,16 @@ class CountingLimiter(OutputRateLimiter):
         return super().try_take(user, now_ns)
 
 
+def step_until_preempted(driver: Driver, request, max_steps: int = 100) -> None:
+    """Steps until ``request`` is preempted (KV blocks run out); fails if it
+    never is."""
+    for _ in range(max_steps):
+        driver.step()
+        if request.status == RequestStatus.PREEMPTED:
+            return
+    raise AssertionError(f"{request.request_id} was not preempted in {max_steps} steps")
+
+
 def test_scheduler_variant_matches_async_scheduling():
     assert scheduler_class_for(True) is OutputRateAsyncScheduler
     assert scheduler_class_for(False) is OutputRateScheduler
@@ -260,11 +270,7 @@ def test_throttled_request_is_the_preferred_preemption_victim(
     driver.run(2)
     fast = [make_request("fast", prompt_len=14, max_tokens=60) for _ in range(2)]
     driver.add(fast)
-    for _ in range(100):
-        driver.step()
-        if parked.status == RequestStatus.PREEMPTED:
-            break
-    assert parked.status == RequestStatus.PREEMPTED
+    step_until_preempted(driver, parked)
     assert all(r.status == RequestStatus.RUNNING for r in fast)
     assert scheduler.accounting.of("slow").throttled_preemptions == 1
 
@@ -286,11 +292,7 @@ def test_throttled_victim_preference_holds_within_a_priority_only(
     driver.run(2)
     same_priority = make_request("fast", prompt_len=14, max_tokens=60, priority=1)
     driver.add([same_priority])
-    for _ in range(100):
-        driver.step()
-        if parked.status == RequestStatus.PREEMPTED:
-            break
-    assert parked.status == RequestStatus.PREEMPTED
+    step_until_preempted(driver, parked)
     assert same_priority.status == RequestStatus.RUNNING
     # Arrival times are restored once the step is over.
     assert parked.arrival_time < same_priority.arrival_time < 1e6
@@ -314,11 +316,7 @@ def test_lower_priority_is_preempted_before_a_throttled_higher_priority_request(
     driver.run(2)
     urgent = make_request("fast", prompt_len=14, max_tokens=60, priority=0)
     driver.add([urgent])
-    for _ in range(100):
-        driver.step()
-        if low.status == RequestStatus.PREEMPTED:
-            break
-    assert low.status == RequestStatus.PREEMPTED
+    step_until_preempted(driver, low)
     assert parked.status == RequestStatus.RUNNING
 
 
