@@ -1,0 +1,1 @@
+"""vLLM adapter for per-user output-token pacing: limiter, scheduler, hooks."""
