@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine_ext.config import (
+    ADDITIONAL_CONFIG_KEY,
     DEFAULT_RATE_FLAG,
     USER_RATES_FLAG,
     OutputRateConfig,
@@ -165,15 +166,17 @@ def _from_cli_args(original, args: argparse.Namespace):
         getattr(args, _dest(USER_RATES_FLAG), None),
     )
     if config.enabled:
-        from control.settings import ADDITIONAL_CONFIG_KEY, ControlSettings
+        from control import settings as control_settings
 
         additional = dict(engine_args.additional_config or {})
-        additional["output_rate"] = config.to_additional_config()
+        additional[ADDITIONAL_CONFIG_KEY] = config.to_additional_config()
         try:
-            control = ControlSettings.from_cli_args(args)
+            control = control_settings.ControlSettings.from_cli_args(args)
         except ValueError as exc:
             raise OutputRateConfigError(str(exc)) from None
-        additional[ADDITIONAL_CONFIG_KEY] = control.to_additional_config()
+        additional[control_settings.ADDITIONAL_CONFIG_KEY] = (
+            control.to_additional_config()
+        )
         engine_args.additional_config = additional
         middleware = getattr(args, "middleware", None)
         if isinstance(middleware, list) and HTTP_GUARD not in middleware:

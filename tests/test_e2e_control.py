@@ -35,18 +35,21 @@ def test_rate_change_mid_stream_takes_effect_within_a_second(vllm_server):
     stub = pb_grpc.OutputRateControlStub(channel)
     limit = pb.Limit(name="limits/user-live", tokens_per_second=SLOW)
     stub.UpdateLimit(pb.UpdateLimitRequest(limit=limit, allow_missing=True))
-    changes: dict[str, float] = {}
+    changes: dict[str, tuple[float, float]] = {}
 
-    def set_rate(rate: int) -> float:
+    def set_rate(rate: int) -> tuple[float, float]:
+        """Changes the limit; returns when the RPC was sent and when it returned
+        (the change lands in between: persisted first, then applied)."""
         limit = pb.Limit(name="limits/user-live", tokens_per_second=rate)
+        sent = time.monotonic()
         stub.UpdateLimit(pb.UpdateLimitRequest(limit=limit))
-        return time.monotonic()  # when the RPC returned
+        return sent, time.monotonic()
 
     async def scenario() -> StreamResult:
         task = asyncio.create_task(
             run_streams(vllm_server.base_url, vllm_server.model, [("user-live", 240)])
         )
-        await asyncio.sleep(3)
+        await asyncio.sleep(4)  # well past the stream's first tokens
         changes["raised"] = await asyncio.to_thread(set_rate, FAST)
         await asyncio.sleep(3)
         changes["lowered"] = await asyncio.to_thread(set_rate, SLOW)
@@ -58,14 +61,15 @@ def test_rate_change_mid_stream_takes_effect_within_a_second(vllm_server):
     finally:
         channel.close()
     assert result.completion_tokens == 240
-    raised, lowered = changes["raised"], changes["lowered"]
-    before = tokens_between(result, raised - 2, raised)
+    (raise_sent, raised), (_, lowered) = changes["raised"], changes["lowered"]
+    before = tokens_between(result, raise_sent - 2, raise_sent)
     speed_up_s = first_time_at_rate(result, raised, FAST)
     after_raise = tokens_between(result, raised + 1, raised + 2)
     after_lower = tokens_between(result, lowered + 1, lowered + 3) / 2
     print(
-        f"\n{before / 2:.1f} tok/s before; {FAST} tok/s reached {speed_up_s:.3f} s "
-        f"after the RPC returned; {after_raise} tok/s in the 2nd second; "
+        f"\n{before / 2:.1f} tok/s before; the RPC took {raised - raise_sent:.3f} s; "
+        f"{FAST} tok/s reached {speed_up_s:.3f} s after it returned; "
+        f"{after_raise} tok/s in the 2nd second; "
         f"{after_lower:.1f} tok/s from 1 s after lowering"
     )
     assert before <= 2 * SLOW * 1.1 + 1
