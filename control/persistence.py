@@ -41,7 +41,8 @@ from control.errors import InvalidArgument
 from control.service import LimitsService
 from control.table import TableDocument, dumps, format_of, loads
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 DEFAULT_POLL_INTERVAL_S = 1.0
 _YAML_HEADER = (

@@ -47,7 +47,8 @@ from control.service import LimitsService
 from control.settings import ControlSettings
 from control.table import TableDocument
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass

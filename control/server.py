@@ -27,7 +27,8 @@ from control.servicer import MAX_WATCHES, SERVICE_NAME, OutputRateControlService
 from control.stats import RpcCounts
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Worker threads: room for every watch plus as many unary calls at once.
 MAX_WORKERS = 2 * MAX_WATCHES

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
         SchedulerStats,
     )
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Our entry point: name in ``vllm.stat_logger_plugins`` and its target.
 ENTRY_POINT_NAME = "output_rate"

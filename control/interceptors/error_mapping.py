@@ -13,7 +13,8 @@ from control.errors import ControlError
 from control.interceptors._handlers import Behavior, StreamBehavior, wrap_handler
 from control.stats import RpcCounts
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
