@@ -49,7 +49,17 @@ def run(server, streams) -> list[StreamResult]:
 
 @pytest.mark.parametrize("a_streams", [1, 4])
 def test_article_measurement_user_a_and_user_b(vllm_server, a_streams):
-    results = run(vllm_server, [("user-a", TOKENS)] * a_streams + [("user-b", TOKENS)])
+    async def scenario() -> list[StreamResult]:
+        url, model = vllm_server.base_url, vllm_server.model
+        a_load = [("user-a", TOKENS)] * a_streams
+        a = asyncio.create_task(run_streams(url, model, a_load))
+        # B joins once A's requests are in: B's 2 s span is short enough that
+        # its first token, delayed behind A's admission, would shrink it.
+        await asyncio.sleep(0.5)
+        b = await run_streams(url, model, [("user-b", TOKENS)])
+        return [*await a, *b]
+
+    results = asyncio.run(scenario())
     assert_complete(results)
     rates = rates_by_user(results)
     print(
