@@ -274,9 +274,11 @@ class OutputRateSchedulerMixin:
             )
         ordered = list(self.running)
         for (user, _), indices in groups.items():
+            if len(indices) < 2:
+                continue  # nothing to rotate; skip the work on the hot path
             last = self._last_served.get(user)
             ids = [ordered[i].request_id for i in indices]
-            if len(indices) < 2 or last not in ids:
+            if last not in ids:
                 continue
             start = ids.index(last) + 1
             members = [ordered[i] for i in indices]
