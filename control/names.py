@@ -2,13 +2,15 @@
 and the singletons ``defaultLimit`` and ``limitsTable``.
 
 The user id is everything after the collection prefix, verbatim: ids may contain
-``/``, and escaping them would make names differ from the ids operators type.
+``/``, and escaping them would make names differ from the ids operators type. It
+must be valid by ``engine_ext.identity.validate_user``. Error messages show names
+through ``shown`` (bounded, escaped).
 """
 
 from __future__ import annotations
 
 from control.errors import InvalidArgument
-from control.table import check_user
+from control.table import check_user, shown
 
 LIMITS = "limits/"
 USER_STATES = "userStates/"
@@ -42,9 +44,3 @@ def check_singleton(name: str, expected: str, *, field: str) -> None:
         raise InvalidArgument(
             f"{field} must be {expected!r} or empty, got {shown(name)}"
         )
-
-
-def shown(value: str, limit: int = 64) -> str:
-    """``value`` for an error message: quoted, escaped, cut after ``limit``
-    characters (messages must not echo unbounded client input)."""
-    return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."

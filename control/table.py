@@ -10,8 +10,9 @@ Format (JSON shown; YAML is the same tree)::
     }
 
 - ``default_tokens_per_second``: optional; an integer in 1..1000000.
-- ``users``: optional; user id -> integer tokens/s. A user id is 1..256 UTF-8
-  bytes without control characters.
+- ``users``: optional; user id -> integer tokens/s. User ids follow the one
+  rule of ``engine_ext.identity.validate_user`` (1..256 UTF-8 bytes of
+  well-formed Unicode without control, format or separator characters).
 - ``etag``: optional; written by ``output-rate-ctl export`` so that ``import``
   fails when the table changed in between. The config file ignores it.
 
@@ -60,6 +61,16 @@ def check_user(value: object, *, field: str) -> str:
         raise InvalidArgument(str(exc)) from None
 
 
+def shown(value: object, limit: int = 64) -> str:
+    """``value`` for an error message: quoted, escaped (``repr`` escapes every
+    unprintable character, surrogates included, so the result always encodes),
+    cut after ``limit`` characters (messages must not echo unbounded input)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else repr(value[:limit]) + "..."
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def check_rate(value: object, *, field: str) -> int:
     """Returns ``value`` if it is a valid tokens/s limit (an integer in
     1..``MAX_RATE``), else raises InvalidArgument."""
@@ -88,8 +99,11 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         )
     unknown = sorted(str(key) for key in doc if key not in _KEYS)
     if unknown:
+        listed = ", ".join(map(shown, unknown[:_MAX_LISTED]))
+        if len(unknown) > _MAX_LISTED:
+            listed += f" and {len(unknown) - _MAX_LISTED} more"
         raise InvalidArgument(
-            f"{source}: unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"{source}: unknown field(s) {listed}; "
             f"expected {', '.join(map(repr, _KEYS))}"
         )
     default = doc.get(DEFAULT_KEY)
@@ -103,8 +117,8 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         )
     check_table_size(len(users))
     rates = {
-        check_user(user, field=f"{source}: user id {user!r}"): check_rate(
-            rate, field=f"{source}: {USERS_KEY}[{user!r}]"
+        check_user(user, field=f"{source}: user id {shown(user)}"): check_rate(
+            rate, field=f"{source}: {USERS_KEY}[{shown(user)}]"
         )
         for user, rate in users.items()
     }
@@ -154,6 +168,8 @@ def format_of(path: str) -> Format:
 
 
 _KEYS = (DEFAULT_KEY, USERS_KEY, ETAG_KEY)
+#: Unknown fields named in one error message.
+_MAX_LISTED = 5
 
 
 class _DuplicateKey(Exception):

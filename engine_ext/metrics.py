@@ -38,6 +38,7 @@ from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_USER,
     RELOAD_RESULTS,
+    FailureLog,
     Payload,
     PayloadError,
     parse,
@@ -273,6 +274,9 @@ class OutputRateStatLogger(AggregateStatLoggerBase):
             str(vllm_config.model_config.served_model_name), registry
         )
         self._warned = False
+        self._failures = FailureLog(
+            logger, "output-rate stats not exported; vLLM's stats go on without them"
+        )
 
     def record(
         self,
@@ -281,18 +285,21 @@ class OutputRateStatLogger(AggregateStatLoggerBase):
         mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
-        raw = take_payload(scheduler_stats)
-        if raw is None:
-            return
+        """Takes our payload out of ``scheduler_stats`` and exports it. Never
+        raises: vLLM calls this from its output handler, and an exception there
+        ends the handler and hangs every request."""
         try:
+            raw = take_payload(scheduler_stats)
+            if raw is None:
+                return
             payload = parse(raw)
+            self.metrics.apply(payload)
         except PayloadError as exc:
-            # Raising here would end vLLM's output handler and fail every request.
             if not self._warned:
                 logger.warning("dropping malformed output-rate stats: %s", exc)
                 self._warned = True
-            return
-        self.metrics.apply(payload)
+        except Exception:
+            self._failures.record()
 
     def log_engine_initialized(self) -> None:
         """Nothing to log: the metrics appear with the first payload."""

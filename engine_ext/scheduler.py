@@ -214,16 +214,24 @@ class OutputRateSchedulerMixin:
     def make_stats(self, *args, **kwargs):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.output_rate_stats is not None:
-            with self.output_rate_host.lock:
-                payload = self.output_rate_stats.build(
-                    accounting=self.accounting,
-                    user_rates=self.limiter.user_rates,
-                    default_rate=self.limiter.default_rate,
-                    throttled_requests=sum(t for _, t in self._request_counts.values()),
-                    tracked_users=self.limiter.tracked_users(),
-                    control=self._control_snapshot(),
-                )
-            stats_payload.attach(stats, payload)
+            self.output_rate_payloads_built += 1
+            try:
+                with self.output_rate_host.lock:
+                    payload = self.output_rate_stats.build(
+                        accounting=self.accounting,
+                        user_rates=self.limiter.user_rates,
+                        default_rate=self.limiter.default_rate,
+                        throttled_requests=sum(
+                            t for _, t in self._request_counts.values()
+                        ),
+                        tracked_users=self.limiter.tracked_users(),
+                        control=self._control_snapshot(),
+                    )
+                stats_payload.attach(stats, payload)
+            except Exception:
+                # Raising here would end vLLM's engine-core loop: this step's
+                # metrics are lost instead, pacing goes on.
+                self.output_rate_stats.failures.record()
         return stats
 
     def _control_snapshot(self) -> stats_payload.ControlPlaneSnapshot | None:

@@ -19,16 +19,27 @@ operator's limits table, never ids taken from requests), at most
 ``max_labelled_users`` of them; every other user's events are reported under
 ``OTHER_USER``. The labelled set is sticky: a labelled user keeps the label while
 their explicit limit exists, new ones are admitted in name order while room is left.
+
+Encoding: the payload holds plain data only (dicts, lists, str, int, float, None)
+and every string in it encodes as strict UTF-8, because vLLM's msgpack encoder
+raises on anything else and that would end its output thread. User ids are
+validated at every entry point (``engine_ext.identity``); as a second line, a user
+whose id does not encode is never labelled (counted under ``OTHER_USER``) and an
+RPC method name that does not encode counts as ``OTHER_METHOD``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine_ext.accounting import Accounting, UserCounters
+
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
@@ -82,6 +93,30 @@ SETTINGS_KEY = "output_rate_metrics"
 
 class PayloadError(ValueError):
     """A payload or a metrics setting is malformed; the message names the field."""
+
+
+class FailureLog:
+    """Reports failures of our code where vLLM calls it (a step's stats, the API
+    process's stat logger), which must be caught there rather than raised into
+    vLLM's thread. A failure may repeat on every engine step, so the traceback is
+    logged at the 1st, 2nd, 4th, 8th, ... failure: log2(n) lines for n."""
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self._log = log
+        self._what = what
+        #: Failures so far.
+        self.count = 0
+
+    def record(self) -> None:
+        """Counts one failure; logs the exception being handled (call it from an
+        ``except`` block) when the count is a power of two."""
+        self.count += 1
+        if self.count & (self.count - 1) == 0:
+            self._log.exception(
+                "%s (failure %d; logged at failures 1, 2, 4, 8, ...)",
+                self._what,
+                self.count,
+            )
 
 
 # -- settings -----------------------------------------------------------------
@@ -232,6 +267,11 @@ class PayloadBuilder:
         self._last_control = ControlPlaneSnapshot()
         self._idle_waits: list[float] = []
         self._built_once = False
+        #: Where the scheduler reports a failed build (the step's stats then go
+        #: to the API process without a payload).
+        self.failures = FailureLog(
+            logger, "output-rate metrics payload not built; stats sent without it"
+        )
 
     @property
     def labelled_users(self) -> list[str]:
@@ -324,7 +364,9 @@ class PayloadBuilder:
             candidates = (
                 u
                 for u in user_rates
-                if u not in self._labelled and u not in _RESERVED_LABELS
+                if u not in self._labelled
+                and u not in _RESERVED_LABELS
+                and _encodable(u)
             )
             for user in sorted(candidates):
                 if len(self._labelled) >= self._cap:
@@ -449,11 +491,15 @@ def _nonzero(counters: UserCounters) -> dict[str, int]:
 
 def _normalized(snapshot: ControlPlaneSnapshot) -> ControlPlaneSnapshot:
     """``snapshot`` with label values ``parse`` accepts: unknown status codes
-    become ``UNKNOWN``, unknown reload results are left out (one bad value must
-    not get every later payload rejected)."""
+    become ``UNKNOWN``, method names that do not encode ``OTHER_METHOD``, unknown
+    reload results are left out (one bad value must not get every later payload
+    rejected, nor fail to encode)."""
     rpcs: dict[tuple[str, str], int] = {}
     for (method, code), count in snapshot.rpcs.items():
-        key = (method, code if code in GRPC_CODES else "UNKNOWN")
+        key = (
+            method if _encodable(method) else OTHER_METHOD,
+            code if code in GRPC_CODES else "UNKNOWN",
+        )
         rpcs[key] = rpcs.get(key, 0) + count
     return ControlPlaneSnapshot(
         limit_changes=snapshot.limit_changes,
@@ -464,6 +510,16 @@ def _normalized(snapshot: ControlPlaneSnapshot) -> ControlPlaneSnapshot:
         },
         rpcs=rpcs,
     )
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` encodes as strict UTF-8 (no lone surrogates), as vLLM's
+    msgpack encoder requires."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _positive_deltas(now: Mapping[Any, int], before: Mapping[Any, int]) -> dict:

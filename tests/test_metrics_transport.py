@@ -27,14 +27,17 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from engine_ext import metrics
 from engine_ext.accounting import Accounting
+from engine_ext.scheduler import OutputRateScheduler
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_USER,
     PAYLOAD_KEY,
+    SETTINGS_KEY,
     ControlPlaneCounters,
     PayloadBuilder,
     attach,
 )
+from tests.scheduler_harness import make_scheduler
 
 MODEL = "tiny-output-rate"
 
@@ -261,3 +264,109 @@ def test_transport_is_enabled_only_where_our_stat_logger_consumes_it(
     else:
         monkeypatch.setenv("VLLM_PLUGINS", plugins)
     assert metrics.transport_enabled(usage_context) is expected
+
+
+# -- nothing we add can break vLLM's threads ----------------------------------
+
+
+def test_a_surrogate_user_label_would_kill_vllms_encoder() -> None:
+    """Why the payload must hold only strings that encode as strict UTF-8: vLLM's
+    encoder raises, and in the engine core that ends its output thread."""
+    stats = SchedulerStats()
+    attach(stats, {"users": {"bad\ud800": {"charged": 1}}})
+    with pytest.raises(UnicodeEncodeError):
+        MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+
+
+def test_a_payload_built_for_a_surrogate_user_crosses_vllms_wire(
+    vllm_config: VllmConfig,
+) -> None:
+    """Defence in depth behind id validation: even a surrogate id that got into
+    the limiter yields a payload vLLM encodes; its events count as other users'."""
+    accounting = Accounting()
+    accounting.record("bad\ud800", "charged", 4)
+    accounting.record("alice", "charged", 1)
+    payload = PayloadBuilder().build(
+        accounting=accounting,
+        user_rates={"bad\ud800": 3, "alice": 5},
+        default_rate=1000,
+        throttled_requests=0,
+        tracked_users=2,
+    )
+    stats = engine_step(payload)  # vLLM's MsgpackEncoder and decoder
+    registry = CollectorRegistry()
+    metrics.OutputRateStatLogger(vllm_config, [0], registry=registry).record(
+        stats, None
+    )
+    charged = "vllm:output_rate_tokens_charged_total"
+    got = {"model_name": MODEL}
+    assert registry.get_sample_value(charged, {**got, "user": OTHER_USER}) == 4
+    assert registry.get_sample_value(charged, {**got, "user": "alice"}) == 1
+
+
+def test_a_failing_record_logs_and_does_not_raise(
+    vllm_config: VllmConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+
+    def broken(payload) -> None:
+        raise RuntimeError("bug in our exporter")
+
+    payload = PayloadBuilder().build(
+        accounting=Accounting(),
+        user_rates={"alice": 5},
+        default_rate=10,
+        throttled_requests=2,
+        tracked_users=1,
+    )
+    monkeypatch.setattr(plugin.metrics, "apply", broken)
+    with caplog.at_level(logging.ERROR, logger="vllm.engine_ext.metrics"):
+        for _ in range(3):
+            stats = engine_step(payload)
+            plugin.record(stats, None)  # must not raise into vLLM
+            assert stats.kv_connector_stats is None  # still taken out
+    logged = [r for r in caplog.records if r.name == "vllm.engine_ext.metrics"]
+    assert [r.exc_info[0] for r in logged] == [RuntimeError, RuntimeError]  # 1, 2
+    monkeypatch.undo()
+    plugin.record(engine_step(payload), None)
+    throttled = "vllm:output_rate_throttled_requests"
+    assert registry.get_sample_value(throttled, {"model_name": MODEL}) == 2
+
+
+class _StatsScheduler(OutputRateScheduler):
+    """The real scheduler as the API server runs it: stats on, payload emitted."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["vllm_config"].additional_config[SETTINGS_KEY] = {"emit": True}
+        kwargs["log_stats"] = True
+        super().__init__(*args, **kwargs)
+
+
+def test_make_stats_survives_a_failing_payload_build(
+    tiny_model_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scheduler = make_scheduler(
+        tiny_model_dir, user_rates={"alice": 5}, scheduler_cls=_StatsScheduler
+    )
+    stats = scheduler.make_stats()
+    assert stats is not None and PAYLOAD_KEY in stats.kv_connector_stats
+
+    def broken(**kwargs) -> dict:
+        raise RuntimeError("bug in our payload builder")
+
+    monkeypatch.setattr(scheduler.output_rate_stats, "build", broken)
+    with caplog.at_level(logging.ERROR, logger="vllm.engine_ext.stats_payload"):
+        for _ in range(3):
+            stats = scheduler.make_stats()  # must not raise into the engine core
+            assert stats is not None  # upstream's stats, sent without a payload
+            assert stats.kv_connector_stats is None
+            MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
+    logged = [r for r in caplog.records if r.name == "vllm.engine_ext.stats_payload"]
+    assert [r.exc_info[0] for r in logged] == [RuntimeError, RuntimeError]  # 1, 2
+    monkeypatch.undo()
+    assert PAYLOAD_KEY in scheduler.make_stats().kv_connector_stats

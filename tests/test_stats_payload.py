@@ -8,6 +8,7 @@ engine, and the deltas of all payloads add up to the accounting's totals.
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +27,7 @@ from engine_ext.stats_payload import (
     SETTINGS_KEY,
     ControlPlaneCounters,
     ControlPlaneSnapshot,
+    FailureLog,
     MetricsSettings,
     PayloadBuilder,
     PayloadError,
@@ -96,6 +98,69 @@ def test_users_named_like_reserved_labels_are_never_labelled() -> None:
     raw = build(PayloadBuilder(), accounting, {"__other__": 5, "__default__": 6})
     assert raw["limits"] == {}
     assert raw["users"] == {OTHER_USER: {"charged": 1}}
+
+
+def _strings(value: object) -> list[str]:
+    """Every string in a payload tree, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for item in value for s in _strings(item)]
+    return []
+
+
+def test_ids_that_do_not_encode_are_never_labelled() -> None:
+    """Defence in depth: validation keeps lone surrogates out, but if one got
+    in, the payload must still encode (vLLM's msgpack encoder raises on it)."""
+    accounting = Accounting()
+    accounting.record("bad\ud800", "charged", 4)
+    accounting.record("alice", "charged", 1)
+    rates = {"bad\ud800": 3, "alice": 5, "\udfff": 7}
+    raw = PayloadBuilder().build(
+        accounting=accounting,
+        user_rates=rates,
+        default_rate=10,
+        throttled_requests=0,
+        tracked_users=2,
+    )
+    for text in _strings(raw):
+        text.encode("utf-8")  # strict: raises on a surrogate
+    assert raw["limits"] == {"alice": 5}
+    assert raw["users"] == {"alice": {"charged": 1}, OTHER_USER: {"charged": 4}}
+    assert parse(raw).users[OTHER_USER] == {"charged": 4}
+
+
+def test_rpc_method_names_that_do_not_encode_count_as_other() -> None:
+    snapshot = ControlPlaneSnapshot(rpcs={("/x/\ud800", "OK"): 2, ("Get", "OK"): 1})
+    raw = PayloadBuilder().build(
+        accounting=Accounting(),
+        user_rates={},
+        default_rate=10,
+        throttled_requests=0,
+        tracked_users=0,
+        control=snapshot,
+    )
+    for text in _strings(raw):
+        text.encode("utf-8")
+    assert parse(raw).control_rpcs == {(OTHER_METHOD, "OK"): 2, ("Get", "OK"): 1}
+
+
+def test_failures_are_logged_at_powers_of_two(caplog) -> None:
+    log = FailureLog(logging.getLogger("test.failures"), "thing failed")
+    with caplog.at_level(logging.ERROR, logger="test.failures"):
+        for _ in range(9):
+            try:
+                raise RuntimeError("boom")
+            except RuntimeError:
+                log.record()
+    assert log.count == 9
+    assert [r.getMessage() for r in caplog.records] == [
+        f"thing failed (failure {n}; logged at failures 1, 2, 4, 8, ...)"
+        for n in (1, 2, 4, 8)
+    ]
+    assert all(r.exc_info and r.exc_info[0] is RuntimeError for r in caplog.records)
 
 
 def test_counters_are_deltas_since_the_previous_payload() -> None:
