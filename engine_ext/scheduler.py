@@ -214,7 +214,6 @@ class OutputRateSchedulerMixin:
     def make_stats(self, *args, **kwargs):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.output_rate_stats is not None:
-            self.output_rate_payloads_built += 1
             try:
                 with self.output_rate_host.lock:
                     payload = self.output_rate_stats.build(
