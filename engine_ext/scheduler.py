@@ -17,7 +17,9 @@ only place that knows vLLM's scheduler internals. It overrides these
   because returning 0 from ``_reserve_prefill_lookahead`` would ``break`` the
   waiting loop and block every other user's new requests.
 - ``_preempt_request()``: counts preempted parked requests and undoes the
-  PRIORITY victim bias before the request re-enters the waiting heap.
+  PRIORITY victim bias before the request re-enters the waiting heap. Also
+  called by us, before upstream's loops, to make parked requests yield their
+  slots (see "Slots go to users with budget" below).
 - ``add_request()`` / ``_free_request()``: resolve the user once per request.
 
 Upstream reads ``max_num_active_reqs`` only in the waiting loop, so raising it by
@@ -27,6 +29,26 @@ the number of throttled running requests lets new requests take their place
 ``update_from_output()`` is deliberately not overridden: charges are settled at
 dispatch, never against model results, which is what keeps async scheduling
 possible (a request that stops at step N was already charged for N+1).
+
+Slots go to users with budget. A parked request keeps its model-runner slot
+and KV cache (SPEC §5), but never at the expense of a user with budget: when
+waiting requests of users with budget cannot start because every slot
+(``max_num_seqs``) or the KV cache is held and some holders are parked, parked
+requests are preempted first, before upstream's loops run, with vLLM's own
+preemption (recomputed when they resume; prefix caching makes that cheap):
+
+- as many as the waiting requests need, never more than the active cap lets
+  start in this step, one at a time for the KV cache (head request only);
+- victims in order: lowest priority, then the user furthest from budget (latest
+  ``ready_at``), then that user's most recently served stream first;
+- a request that yielded is not a victim again until it has been dispatched
+  a sampling step (each readmission earns at least one token: no thrashing);
+- while users with budget wait for slots, no request of a user without budget
+  is admitted, not even for a prefill that stops short of sampling.
+
+A yielded request re-enters the waiting queue at its front, so it is the next
+to start once a slot is spare or its user has budget again: no user is
+starved.
 
 With the feature off (no default rate) every override defers to upstream
 unchanged.
@@ -59,9 +81,11 @@ from engine_ext.request_tracing import with_throttle_headers
 # Under vLLM's logger so that its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
 
-#: Idle users are dropped from the limiter every this many steps (cheap, and
-#: behaviour-neutral: see ``OutputRateLimiter.cleanup_idle_users``).
-CLEANUP_EVERY_STEPS = 256
+#: Idle users are dropped from the limiter at most this often, by the scheduler's
+#: clock: after a step, and on an idle engine when the metrics heartbeat
+#: (``engine_ext.idle_stats``) asks. Cheap and behaviour-neutral: see
+#: ``OutputRateLimiter.cleanup_idle_users``.
+CLEANUP_INTERVAL_NS = 1_000_000_000
 
 #: Added to a parked request's arrival time during a step so that PRIORITY's
 #: victim choice, ``max(running, key=(priority, arrival_time))``, picks it first
@@ -89,6 +113,14 @@ class _Step:
     running_granted: int = 0  # running requests given tokens this step
     running_throttled: int = 0  # running requests skipped for lack of budget
     biased_arrival: dict[str, float] = field(default_factory=dict)
+    has_budget: dict[str, bool] = field(default_factory=dict)  # user -> at now_ns
+    parked: list[Request] = field(default_factory=list)  # in rotated order
+    #: Slots a refused user's waiting request may take for a prefill that stops
+    #: short of sampling; None: no user with budget is waiting for a slot.
+    spare_slots: int | None = None
+    #: Waiting requests of users with budget that the waiting loop has yet to
+    #: reach; no refused user's request is admitted ahead of them.
+    needy_pending: set[str] = field(default_factory=set)
 
 
 class OutputRateSchedulerMixin:
@@ -109,8 +141,10 @@ class OutputRateSchedulerMixin:
         self._base_max_active = self.max_num_active_reqs
         self._user_of: dict[str, str] = {}
         self._last_served: dict[str, str] = {}  # user -> request id
+        #: Requests preempted to yield their slot, until next dispatched to sample.
+        self._yielded: set[str] = set()
         self._step: _Step | None = None
-        self._steps_since_cleanup = 0
+        self._cleaned_at_ns: int | None = None  # None: never (tests swap clocks)
         #: When the last step scheduled nothing because of the limiter: the
         #: earliest time a refused user has budget again (for the engine loop).
         self.next_ready_ns: int | None = None
@@ -141,6 +175,9 @@ class OutputRateSchedulerMixin:
             if metrics.emit and self.limiter.enabled
             else None
         )
+        #: Payloads whose build has started (counted first): the idle-metrics
+        #: heartbeat (``engine_ext.idle_stats``) compares it between checks.
+        self.output_rate_payloads_built = 0
         if self.limiter.enabled:
             logger.info(
                 "per-user output pacing on (%s): default %d tok/s, %d user limits",
@@ -166,6 +203,7 @@ class OutputRateSchedulerMixin:
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         self._user_of.pop(request.request_id, None)
+        self._yielded.discard(request.request_id)
         throttling = self._throttling.pop(request.request_id, None)
         if throttling is not None:
             if throttling.since_ns is not None:
@@ -214,6 +252,7 @@ class OutputRateSchedulerMixin:
     def make_stats(self, *args, **kwargs):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.output_rate_stats is not None:
+            self.output_rate_payloads_built += 1
             try:
                 with self.output_rate_host.lock:
                     payload = self.output_rate_stats.build(
@@ -257,6 +296,7 @@ class OutputRateSchedulerMixin:
         persistent_order = list(self.running)
         self.running[:] = self._order_for_step(step)
         try:
+            self._yield_slots(step)
             output = super().schedule(*args, **kwargs)
         finally:
             self._step = None
@@ -294,25 +334,116 @@ class OutputRateSchedulerMixin:
             ):
                 ordered[index] = request
 
-        has_budget: dict[str, bool] = {}
         counts: dict[str, tuple[int, int]] = {}
         active, parked = [], []
         for request in ordered:
             user = self.user_of(request)
-            if user not in has_budget:
-                has_budget[user] = (
-                    self.limiter.ready_at_ns(user, step.now_ns) <= step.now_ns
-                )
-            is_parked = not has_budget[user] and _next_step_samples(request)
+            is_parked = not self._has_budget(step, user) and _next_step_samples(request)
             (parked if is_parked else active).append(request)
             running, throttled = counts.get(user, (0, 0))
             counts[user] = (running + 1, throttled + is_parked)
         self._request_counts = counts
+        step.parked = parked
         if self.policy == SchedulingPolicy.PRIORITY:
             for request in parked:
                 step.biased_arrival[request.request_id] = request.arrival_time
                 request.arrival_time += _PRIORITY_VICTIM_BIAS_S
         return active + parked
+
+    def _has_budget(self, step: _Step, user: str) -> bool:
+        """Whether ``user`` may be charged at the step's start (cached per step)."""
+        known = step.has_budget.get(user)
+        if known is None:
+            known = step.has_budget[user] = (
+                self.limiter.ready_at_ns(user, step.now_ns) <= step.now_ns
+            )
+        return known
+
+    # -- slots go to users with budget (see the module docstring) -------------
+
+    def _yield_slots(self, step: _Step) -> None:
+        """Preempts parked requests so that waiting requests of users with budget
+        can start in this step; sets ``step.spare_slots``."""
+        if not self.waiting:
+            return
+        held = len(self.running) + self.num_waiting_for_streaming_input
+        free = max(0, self.max_num_running_reqs - held)
+        parked = step.parked
+        # Upstream admits at most this many (active cap, raised by the parked).
+        admissible = self._base_max_active - (held - len(parked))
+        wanted = min(admissible, free + len(parked))
+        if wanted <= 0 or (not parked and free >= len(self.waiting)):
+            return  # nobody can start, or everyone fits: nothing to yield
+        needy = self._waiting_with_budget(step, limit=wanted)
+        victims = self._victims(step, parked)
+        yielded = 0
+        for request in needy[free:wanted]:
+            victim = _first_yielding_to(victims, request)
+            if victim is None:
+                break
+            self._yield(victim)
+            yielded += 1
+        admitted = min(len(needy), free + yielded)
+        if admitted and victims:
+            # KV cache: free enough blocks for the first one that will start.
+            self._yield_blocks_for(needy[0], victims)
+        if needy:
+            step.spare_slots = free + yielded - admitted
+            step.needy_pending = {r.request_id for r in needy[:admitted]}
+
+    def _waiting_with_budget(self, step: _Step, limit: int) -> list[Request]:
+        """Up to ``limit`` waiting requests, in admission order, that could start
+        now and whose user has budget."""
+        found: list[Request] = []
+        for request in self.waiting:
+            if request.status in _STARTABLE and self._has_budget(
+                step, self.user_of(request)
+            ):
+                found.append(request)
+                if len(found) >= limit:
+                    break
+        return found
+
+    def _victims(self, step: _Step, parked: list[Request]) -> list[Request]:
+        """Parked requests that may yield, best victim first: lowest priority,
+        then the user furthest from budget, then the user's most recently served
+        stream (``parked`` is rotated, so later means served more recently)."""
+        position = {id(r): i for i, r in enumerate(parked)}
+        ready = {
+            user: self.limiter.ready_at_ns(user, step.now_ns)
+            for user in {self.user_of(r) for r in parked}
+        }
+        candidates = [
+            r
+            for r in parked
+            if r.request_id not in self._yielded
+            and self._request_blocks_can_be_freed(r)
+        ]
+        candidates.sort(
+            key=lambda r: (-r.priority, -ready[self.user_of(r)], -position[id(r)])
+        )
+        return candidates
+
+    def _yield(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self._yielded.add(victim.request_id)
+        self._preempt_request(victim, time.monotonic())
+
+    def _yield_blocks_for(self, request: Request, victims: list[Request]) -> None:
+        """Yields victims until the KV cache has the blocks ``request``'s first
+        chunk needs (an estimate that ignores prefix-cache hits)."""
+        tokens = min(
+            request.num_tokens - request.num_computed_tokens,
+            self.max_num_scheduled_tokens,
+        )
+        needed = -(-(tokens + self.num_lookahead_tokens) // self.block_size)
+        free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        while free_blocks < needed:
+            victim = _first_yielding_to(victims, request)
+            if victim is None:
+                return
+            self._yield(victim)
+            free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def _restore_arrival_times(self, step: _Step) -> None:
         for request in self.running:
@@ -326,6 +457,7 @@ class OutputRateSchedulerMixin:
         for request_id, user in step.charged.items():
             if request_id in dispatched:
                 self._last_served[user] = request_id
+                self._yielded.discard(request_id)
                 throttling = self._throttling.get(request_id)
                 if throttling is not None and throttling.since_ns is not None:
                     throttling.total_ns += step.now_ns - throttling.since_ns
@@ -334,20 +466,36 @@ class OutputRateSchedulerMixin:
                 self.limiter.refund(user, step.now_ns)
                 self.accounting.record(user, "refunds")
         self.next_ready_ns = step.wake_at_ns if not dispatched else None
-        self._steps_since_cleanup += 1
-        if self._steps_since_cleanup >= CLEANUP_EVERY_STEPS:
-            self._steps_since_cleanup = 0
-            self.limiter.cleanup_idle_users(step.now_ns)
-            live_users = set(self._user_of.values())
-            if self.output_rate_stats is not None:
-                # Labelled users' counters must survive for exact deltas.
-                live_users.update(self.output_rate_stats.labelled_users)
-            self._last_served = {
-                user: rid
-                for user, rid in self._last_served.items()
-                if user in live_users
-            }
-            self.accounting.forget(live_users)
+        if self.cleanup_due(step.now_ns):
+            self._cleanup_idle_users(step.now_ns)
+
+    def cleanup_due(self, now_ns: int) -> bool:
+        """Whether users are tracked and the last cleanup is an interval old."""
+        return self.limiter.tracked_users() > 0 and (
+            self._cleaned_at_ns is None
+            or now_ns - self._cleaned_at_ns >= CLEANUP_INTERVAL_NS
+        )
+
+    def cleanup_when_idle(self) -> None:
+        """Drops idle users if due; for the engine thread between steps."""
+        with self.output_rate_host.lock:
+            now_ns = self.clock()
+            if self.cleanup_due(now_ns):
+                self._cleanup_idle_users(now_ns)
+
+    def _cleanup_idle_users(self, now_ns: int) -> None:
+        """Forgets users with no live request whose bucket is full (the host lock
+        is held)."""
+        self._cleaned_at_ns = now_ns
+        self.limiter.cleanup_idle_users(now_ns)
+        live_users = set(self._user_of.values())
+        if self.output_rate_stats is not None:
+            # Labelled users' counters must survive for exact deltas.
+            live_users.update(self.output_rate_stats.labelled_users)
+        self._last_served = {
+            user: rid for user, rid in self._last_served.items() if user in live_users
+        }
+        self.accounting.forget(live_users)
 
     # -- per-request decisions (called from inside upstream schedule()) -----
 
@@ -417,12 +565,26 @@ class OutputRateSchedulerMixin:
         user = self.user_of(request)
         if user not in step.refused_users:
             if self.limiter.ready_at_ns(user, step.now_ns) <= step.now_ns:
+                step.needy_pending.discard(request.request_id)
                 return True
             self._refuse(step, user)
-        if self._prefill_can_stop_short(request):
+        if self._may_prefill_without_budget(step, request):
             return True  # admitted; _reserve_prefill_lookahead stops it short
         self._record_skip(step, request, user)
         return False
+
+    def _may_prefill_without_budget(self, step: _Step, request: Request) -> bool:
+        """Whether a waiting request of a refused user may take a slot for a
+        prefill that stops short of sampling: only a slot no user with budget
+        is waiting for."""
+        if not self._prefill_can_stop_short(request):
+            return False
+        if step.spare_slots is None:
+            return True
+        if step.spare_slots <= 0 or step.needy_pending:
+            return False
+        step.spare_slots -= 1
+        return True
 
     def _record_skip(self, step: _Step, request: Request, user: str) -> None:
         """Counts a request passed over for lack of budget in this step."""
@@ -466,6 +628,20 @@ class OutputRateSchedulerMixin:
             ):
                 self.accounting.record(user, "throttled_preemptions")
         super()._preempt_request(request, *args, **kwargs)
+
+
+#: Waiting states upstream can admit in this step (others wait for a grammar,
+#: a KV transfer or streamed input).
+_STARTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def _first_yielding_to(victims: list[Request], request: Request) -> Request | None:
+    """Pops the best victim that may yield to ``request``: never one of a
+    higher priority (a smaller value) than the request's own."""
+    for index, victim in enumerate(victims):
+        if victim.priority >= request.priority:
+            return victims.pop(index)
+    return None
 
 
 def _next_step_samples(request: Request) -> bool:

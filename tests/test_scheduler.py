@@ -505,3 +505,21 @@ def test_disabled_scheduling_is_identical_to_upstream(
     upstream_trace = _run_workload(upstream, seed)
     assert _run_workload(ours, seed) == upstream_trace
     assert any(preempted for _, preempted, _, _ in upstream_trace)
+
+
+@MODES
+def test_idle_users_are_cleaned_up_by_time_even_without_steps(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=1000)
+    requests = [make_request(f"u{i}", prompt_len=4, max_tokens=2) for i in range(5)]
+    driver.add(requests)
+    driver.run(6)
+    assert not scheduler.has_requests()
+    assert scheduler.limiter.tracked_users() == 5
+    scheduler.cleanup_when_idle()  # less than an interval since the last one
+    assert scheduler.limiter.tracked_users() == 5
+    driver.clock.advance_ms(1000)
+    scheduler.cleanup_when_idle()  # the engine is idle: no step runs
+    assert scheduler.limiter.tracked_users() == 0
+    assert not scheduler.cleanup_due(driver.clock.now_ns)
