@@ -133,7 +133,7 @@ def test_nothing_yields_while_the_active_cap_binds(tiny_model_dir, async_schedul
 def test_a_higher_priority_parked_request_never_yields_to_a_lower_one(
     tiny_model_dir, async_scheduling
 ):
-    scheduler, driver = setup(
+    _scheduler, driver = setup(
         tiny_model_dir,
         async_scheduling,
         default_rate=100_000,
