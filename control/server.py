@@ -104,13 +104,7 @@ def create_server(
     Raises BindRefused for a non-loopback address without ``auth_token`` or
     mTLS, and OSError when the address cannot be bound.
     """
-    authenticated = bool(auth_token) or (tls is not None and tls.client_ca is not None)
-    if not authenticated and not is_loopback(address):
-        raise BindRefused(
-            f"refusing to listen on {address}: it is reachable from other hosts and "
-            "no authentication is configured; set a bearer token or mTLS, or bind "
-            "a loopback address such as 127.0.0.1"
-        )
+    check_authenticated(address, auth_token=auth_token, tls=tls)
     if auth_token and tls is None and not is_loopback(address):
         logger.warning(
             "the control plane on %s accepts bearer tokens over plain text; "
@@ -149,6 +143,20 @@ def create_server(
     )
     port = _bind(server, address, tls)
     return ControlServer(server, health, servicer, counts), port
+
+
+def check_authenticated(
+    address: str, *, auth_token: str | None, tls: TlsConfig | None
+) -> None:
+    """Raises BindRefused when ``address`` can be reached from other hosts and
+    neither a bearer token nor mTLS guards it."""
+    authenticated = bool(auth_token) or (tls is not None and tls.client_ca is not None)
+    if not authenticated and not is_loopback(address):
+        raise BindRefused(
+            f"refusing to listen on {address}: it is reachable from other hosts and "
+            "no authentication is configured; set a bearer token or mTLS, or bind "
+            "a loopback address such as 127.0.0.1"
+        )
 
 
 def is_loopback(address: str) -> bool:

@@ -8,9 +8,10 @@ vLLM version breaks at start-up, not at the first throttled request.
 - ``EngineArgs.add_cli_args``: adds our flags to every vLLM parser (``vllm serve``,
   ``python -m engine_ext.serve``); the plugin hook runs right before upstream
   builds its parser, which is the moment vLLM documents for plugins to extend it.
-- ``EngineArgs.from_cli_args``: moves our flags into ``additional_config`` (the
-  field vLLM carries to the engine-core process) and adds the HTTP guard
-  middleware to the API server's ``--middleware`` list.
+- ``EngineArgs.from_cli_args``: checks our flags before any model loads (a bad
+  one exits like an argparse error; ``control.preflight``), moves them into
+  ``additional_config`` (the field vLLM carries to the engine-core process) and
+  adds the HTTP guard middleware to the API server's ``--middleware`` list.
 - ``EngineArgs.create_engine_config``: once vLLM has resolved the config (async
   scheduling, DP, spec decode...), refuses unsupported combinations and selects
   our scheduler variant.
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import multiprocessing
 import queue
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -160,28 +163,36 @@ def _add_cli_args(original, parser):
 
 
 def _from_cli_args(original, args: argparse.Namespace):
-    engine_args = original(args)
-    config = OutputRateConfig.from_flags(
-        getattr(args, _dest(DEFAULT_RATE_FLAG), None),
-        getattr(args, _dest(USER_RATES_FLAG), None),
-    )
-    if config.enabled:
-        from control import settings as control_settings
+    """Also checks every pacing and control-plane setting, in the process the
+    operator started and before any model loads: a bad one ends the process like
+    an argparse error (one line on stderr, exit code 2)."""
+    from control import preflight
+    from control import settings as control_settings
 
-        additional = dict(engine_args.additional_config or {})
-        additional[ADDITIONAL_CONFIG_KEY] = config.to_additional_config()
-        try:
-            control = control_settings.ControlSettings.from_cli_args(args)
-        except ValueError as exc:
-            raise OutputRateConfigError(str(exc)) from None
-        additional[control_settings.ADDITIONAL_CONFIG_KEY] = (
-            control.to_additional_config()
+    engine_args = original(args)
+    try:
+        config = OutputRateConfig.from_flags(
+            getattr(args, _dest(DEFAULT_RATE_FLAG), None),
+            getattr(args, _dest(USER_RATES_FLAG), None),
         )
-        engine_args.additional_config = additional
-        middleware = getattr(args, "middleware", None)
-        if isinstance(middleware, list) and HTTP_GUARD not in middleware:
-            # A new list: the parsed value may be the parser's shared default.
-            args.middleware = [*middleware, HTTP_GUARD]
+        if not config.enabled:
+            return engine_args
+        control = control_settings.ControlSettings.from_cli_args(args)
+        # API servers vLLM spawns (--api-server-count) get the checked args; the
+        # engine core may already hold the port by the time they run.
+        if multiprocessing.parent_process() is None:
+            preflight.check(control)
+    except (OutputRateConfigError, control_settings.ControlSettingsError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    additional = dict(engine_args.additional_config or {})
+    additional[ADDITIONAL_CONFIG_KEY] = config.to_additional_config()
+    additional[control_settings.ADDITIONAL_CONFIG_KEY] = control.to_additional_config()
+    engine_args.additional_config = additional
+    middleware = getattr(args, "middleware", None)
+    if isinstance(middleware, list) and HTTP_GUARD not in middleware:
+        # A new list: the parsed value may be the parser's shared default.
+        args.middleware = [*middleware, HTTP_GUARD]
     return engine_args
 
 

@@ -1,0 +1,279 @@
+"""Start-up checks in the API-server process (``control.preflight``): every
+control-plane mistake ends the start before the model loads, with one line that
+names the flag, and exit code 2; the engine-core process still refuses the same
+settings (the second line)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from control import preflight
+from control.errors import InvalidArgument
+from control.runner import serve
+from control.server import BindRefused
+from control.settings import (
+    ADDRESS_FLAG,
+    CONFIG_FLAG,
+    TLS_CERT_FLAG,
+    TOKEN_ENV,
+    TOKEN_FILE_FLAG,
+    ControlSettings,
+    ControlSettingsError,
+)
+from engine_ext.plugin import register
+from tests.control_harness import make_rig
+
+register()
+
+#: vLLM logs these once the engine core starts and once the model starts loading.
+MODEL_START_LINES = ("Initializing a V1 LLM engine", "Starting to load model")
+
+
+@pytest.fixture(autouse=True)
+def _no_token_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+
+
+@pytest.fixture
+def taken_address() -> Iterator[str]:
+    """A loopback address another socket is listening on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield f"127.0.0.1:{other.getsockname()[1]}"
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _refusal(settings: ControlSettings) -> str:
+    with pytest.raises(ControlSettingsError) as error:
+        preflight.check(settings)
+    return str(error.value)
+
+
+# -- each case, through the preflight ------------------------------------------
+
+
+def test_a_taken_port_is_refused_naming_the_address_flag(taken_address):
+    message = _refusal(ControlSettings(address=taken_address))
+    assert message == f"{ADDRESS_FLAG} {taken_address}: cannot listen: " + (
+        "Address already in use"
+    )
+
+
+def test_a_free_port_passes_and_is_released():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    preflight.check(ControlSettings(address=address))
+    host, _, port = address.rpartition(":")
+    with socket.socket() as again:  # no SO_REUSEADDR: fails if still held
+        again.bind((host, int(port)))
+
+
+def test_a_port_that_is_no_number_is_refused():
+    message = _refusal(ControlSettings(address="127.0.0.1:http"))
+    assert message.startswith(f"{ADDRESS_FLAG} 127.0.0.1:http: expected HOST:PORT")
+
+
+def test_a_limits_path_that_is_a_directory_is_refused(tmp_path):
+    directory = tmp_path / "limits.json"
+    directory.mkdir()
+    message = _refusal(
+        ControlSettings(address="127.0.0.1:0", config_path=str(directory))
+    )
+    assert message == f"{CONFIG_FLAG} {directory}: Is a directory"
+
+
+def test_a_limits_file_that_is_not_json_is_refused(tmp_path):
+    path = _write(tmp_path / "limits.json", '{"users": {"a": 5}')
+    message = _refusal(ControlSettings(address="127.0.0.1:0", config_path=path))
+    assert message.startswith(f"{CONFIG_FLAG}: {path}: not valid JSON")
+
+
+def test_a_limits_file_with_an_invalid_user_id_is_refused(tmp_path):
+    path = _write(tmp_path / "limits.json", '{"users": {"bad\\u0001id": 5}}')
+    message = _refusal(ControlSettings(address="127.0.0.1:0", config_path=path))
+    assert message.startswith(f"{CONFIG_FLAG}: {path}: user id 'bad\\x01id'")
+    assert "control characters" in message
+
+
+def test_a_limits_file_of_unknown_format_is_refused(tmp_path):
+    path = _write(tmp_path / "limits.txt", "{}")
+    message = _refusal(ControlSettings(address="127.0.0.1:0", config_path=path))
+    assert message.startswith(f"{CONFIG_FLAG}: {path}: cannot tell the format")
+
+
+def test_a_missing_limits_file_passes_without_being_created(tmp_path):
+    path = tmp_path / "limits.yaml"
+    preflight.check(ControlSettings(address="127.0.0.1:0", config_path=str(path)))
+    assert not path.exists()  # the engine core creates it from the flags
+
+
+def test_a_missing_limits_file_in_a_missing_directory_is_refused(tmp_path):
+    path = tmp_path / "nowhere" / "limits.json"
+    message = _refusal(ControlSettings(address="127.0.0.1:0", config_path=str(path)))
+    assert message.startswith(f"{CONFIG_FLAG} {path}: the file is missing")
+    assert f"{tmp_path / 'nowhere'} does not exist" in message
+
+
+def test_a_public_address_without_auth_is_refused():
+    message = _refusal(ControlSettings(address="0.0.0.0:0"))
+    assert message.startswith(f"{ADDRESS_FLAG}: refusing to listen on 0.0.0.0:0")
+    assert "no authentication is configured" in message
+    assert TOKEN_FILE_FLAG in message
+
+
+def test_a_public_address_with_a_token_passes(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "secret")
+    preflight.check(ControlSettings(address="0.0.0.0:0"))
+
+
+def test_an_empty_token_file_is_refused(tmp_path):
+    path = _write(tmp_path / "token", " \n")
+    message = _refusal(ControlSettings(address="127.0.0.1:0", token_file=path))
+    assert message == f"{TOKEN_FILE_FLAG} {path} is empty"
+
+
+def test_a_missing_token_file_is_refused(tmp_path):
+    path = str(tmp_path / "token")
+    message = _refusal(ControlSettings(address="127.0.0.1:0", token_file=path))
+    assert message == f"{TOKEN_FILE_FLAG} {path}: No such file or directory"
+
+
+def test_a_missing_tls_file_is_refused(tmp_path):
+    key = _write(tmp_path / "key.pem", "key")
+    cert = str(tmp_path / "cert.pem")
+    settings = ControlSettings(address="127.0.0.1:0", tls_cert=cert, tls_key=key)
+    assert _refusal(settings) == f"{TLS_CERT_FLAG} {cert}: No such file or directory"
+
+
+def test_nothing_is_checked_when_the_control_plane_is_off(tmp_path):
+    preflight.check(
+        ControlSettings(
+            address="off",
+            config_path=str(tmp_path),
+            token_file=str(tmp_path / "missing"),
+        )
+    )
+
+
+# -- the engine side refuses the same settings ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "engine_error"),
+    [
+        ("port taken", OSError),
+        ("directory", IsADirectoryError),
+        ("bad json", InvalidArgument),
+        ("public", BindRefused),
+        ("empty token", ControlSettingsError),
+    ],
+)
+def test_the_engine_side_refuses_what_the_preflight_refuses(
+    tmp_path, taken_address, case, engine_error
+):
+    directory = tmp_path / "limits.json"
+    directory.mkdir()
+    settings = {
+        "port taken": ControlSettings(address=taken_address),
+        "directory": ControlSettings(address="127.0.0.1:0", config_path=str(directory)),
+        "bad json": ControlSettings(
+            address="127.0.0.1:0", config_path=_write(tmp_path / "l.json", "{")
+        ),
+        "public": ControlSettings(address="0.0.0.0:0"),
+        "empty token": ControlSettings(
+            address="127.0.0.1:0", token_file=_write(tmp_path / "token", "")
+        ),
+    }[case]
+    with pytest.raises(ControlSettingsError):
+        preflight.check(settings)
+    with pytest.raises(engine_error):
+        serve(make_rig(10).host, settings).stop(0)
+
+
+# -- the hook in the API process -------------------------------------------------
+
+
+def test_the_hook_exits_with_code_2_and_one_line(tmp_path, capsys):
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(
+        [
+            "m",
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--output-rate-control-token-file",
+            str(tmp_path / "token"),
+        ]
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        AsyncEngineArgs.from_cli_args(args)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error == (
+        f"error: {TOKEN_FILE_FLAG} {tmp_path / 'token'}: No such file or directory\n"
+    )
+
+
+def test_the_hook_checks_nothing_without_pacing(tmp_path):
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["m", "--output-rate-control-token-file", str(tmp_path / "token")]
+    )
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert "output_rate_control" not in (engine_args.additional_config or {})
+
+
+# -- a real start, one case per family -------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["limits file", "address", "port", "token file"])
+def test_a_bad_setting_ends_the_start_before_the_model_loads(
+    tiny_model_dir, tmp_path, taken_address, family
+):
+    directory = tmp_path / "limits.json"
+    directory.mkdir()
+    flag, value, cause = {
+        "limits file": (CONFIG_FLAG, str(directory), "Is a directory"),
+        "address": (ADDRESS_FLAG, "0.0.0.0:50151", "no authentication"),
+        "port": (ADDRESS_FLAG, taken_address, "Address already in use"),
+        "token file": (TOKEN_FILE_FLAG, str(tmp_path / "token"), "No such file"),
+    }[family]
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine_ext.serve",
+            tiny_model_dir,
+            "--default-user-output-tokens-per-second",
+            "100",
+            flag,
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2
+    lines = completed.stderr.splitlines()
+    # vLLM's import-time warnings may come first; ours is the last line and the
+    # only one that starts with "error:".
+    assert lines[-1].startswith(f"error: {flag}")
+    assert cause in lines[-1]
+    assert [line for line in lines if line.startswith("error:")] == [lines[-1]]
+    output = completed.stdout + completed.stderr
+    assert "Traceback" not in output
+    assert not [line for line in MODEL_START_LINES if line in output]
