@@ -2,30 +2,45 @@
 
 Exit status: 0 success, 1 the server (or a local check of an import file)
 refused the request, the status code name printed to stderr, 2 usage errors.
+Every argument is checked before anything is sent (numbers against the range
+the proto field holds and the server accepts, user ids by the one rule of
+``engine_ext.identity.validate_user``); each error is reported in one line on
+stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import grpc
 from google.protobuf import duration_pb2 as _duration_pb2
 
 from control import names
-from control.errors import ControlError
+from control.errors import ControlError, InvalidArgument
+from control.service import (
+    MAX_PAGE_SIZE,
+    MAX_WATCH_INTERVAL_NS,
+    MIN_WATCH_INTERVAL_NS,
+)
 from control.settings import DEFAULT_ADDRESS, TOKEN_ENV
 from control.table import TableDocument, dumps, format_of, loads
+from engine_ext.identity import validate_user
+from engine_ext.limiter import MAX_RATE
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Longest --timeout: far beyond any call, far below where gRPC's deadline
+#: arithmetic overflows (about 1e10 s).
+MAX_TIMEOUT_S = 86_400.0
 _STATE_COLUMNS = (
     ("USER", "user"),
     ("LIMIT/S", "limit_tokens_per_second"),
@@ -81,13 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = _Client(channel, args.token, args.timeout)
             return args.run(client, args, sys.stdout)
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        _print_error(f"error: {exc.code().name}: {exc.details()}")
         return EXIT_FAILED
     except ControlError as exc:  # a local check, reported as the server would
-        print(f"error: {exc.code}: {exc}", file=sys.stderr)
+        _print_error(f"error: {exc.code}: {exc}")
         return EXIT_FAILED
     except _UsageError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        _print_error(f"{parser.prog}: error: {exc}")
         return EXIT_USAGE
     except KeyboardInterrupt:  # ends a watch
         return EXIT_OK
@@ -239,20 +254,32 @@ def _export(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.file in (None, "-"):
         out.write(dumps(doc, "json"))
     else:
-        Path(args.file).write_text(dumps(doc, format_of(args.file)))
+        text = dumps(doc, format_of(args.file))
+        try:
+            Path(args.file).write_text(text)
+        except OSError as exc:
+            raise _UsageError(f"cannot write {args.file}: {exc.strerror}") from None
         print(f"exported {len(doc.user_rates)} limits to {args.file}", file=sys.stderr)
     return EXIT_OK
 
 
 def _import(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     source = "stdin" if args.file == "-" else args.file
+    fmt = "json" if args.file == "-" else format_of(args.file)
     try:
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     except OSError as exc:
         raise _UsageError(f"cannot read {args.file}: {exc.strerror}") from None
-    doc = loads(
-        text, "json" if args.file == "-" else format_of(args.file), source=source
-    )
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"{source}: not UTF-8 ({exc.reason})") from None
+    try:
+        doc = loads(text, fmt, source=source)
+    except RecursionError:  # e.g. 100k "[": the parsers recurse per level
+        raise InvalidArgument(
+            f"{source}: not valid {fmt.upper()}: nested too deeply"
+        ) from None
+    if doc.etag is not None and not _encodes(doc.etag):
+        raise InvalidArgument(f"{source}: etag must be well-formed Unicode")
     etag = "" if args.force else (doc.etag or "")
     default = doc.default_rate
     if default is None:  # keep the current default, as read with its etag
@@ -333,6 +360,28 @@ def _print_json(out: TextIO, value: Any, indent: int | None = 2) -> None:
     print(json.dumps(value, indent=indent, ensure_ascii=False), file=out)
 
 
+def _print_error(line: str) -> None:
+    print(_one_line(line), file=sys.stderr)
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one printable line: multi-line messages (YAML errors) joined,
+    other unprintable characters (lone surrogates too) escaped."""
+    joined = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return "".join(
+        ch if ch.isprintable() and _encodes(ch) else ascii(ch)[1:-1] for ch in joined
+    )
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` is well-formed Unicode (protobuf strings must be)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _print_table(
     out: TextIO, rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]
 ) -> None:
@@ -363,6 +412,15 @@ class _UsageError(Exception):
     """A problem with the command line or a local file (exit status 2)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line (argparse prints the usage first); subcommand
+    parsers are of this class, too (``add_subparsers`` uses the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        _print_error(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(EXIT_USAGE)
+
+
 def _channel(args: argparse.Namespace) -> grpc.Channel:
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -370,6 +428,9 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
     ]
     if args.tls_server_name:
         options.append(("grpc.ssl_target_name_override", args.tls_server_name))
+    if (args.tls_cert is None) != (args.tls_key is None):
+        # gRPC aborts the process on a certificate without its key.
+        raise _UsageError("--tls-cert and --tls-key go together")
     if not (args.tls_ca or args.tls_cert):
         return grpc.insecure_channel(args.address, options=options)
     try:
@@ -387,27 +448,85 @@ def _read_optional(path: str | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 
 
-def _rate(raw: str) -> int:
-    """An integer; range checks are the server's (it reports INVALID_ARGUMENT)."""
+def _shown(raw: str, limit: int = 32) -> str:
+    """An argument for an error message: quoted, escaped, cut after ``limit``."""
+    return repr(raw) if len(raw) <= limit else repr(raw[:limit]) + "..."
+
+
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``low..high`` (no upper bound: None)."""
+    bounds = f", at least {low}" if high is None else f" between {low} and {high}"
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:  # also for more than 4300 digits
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number{bounds}, got {_shown(raw)}"
+            )
+        return value
+
+    return parse
+
+
+def _seconds(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number of seconds in ``low..high`` (not nan or inf)."""
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:  # false for nan
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds between {low:g} and {high:g}, "
+                f"got {_shown(raw)}"
+            )
+        return value
+
+    return parse
+
+
+def _user(raw: str) -> str:
     try:
-        return int(raw)
-    except ValueError:
+        return validate_user(raw, field="the user id")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _text(raw: str) -> str:
+    """Any well-formed Unicode (argv may hold lone surrogates: undecodable bytes)."""
+    if not _encodes(raw):
+        raise argparse.ArgumentTypeError("must be well-formed Unicode")
+    return raw
+
+
+def _token(raw: str) -> str:
+    """A bearer token: printable ASCII, as a gRPC metadata value must be."""
+    if not all(" " <= ch <= "~" for ch in raw):
         raise argparse.ArgumentTypeError(
-            f"expected a whole number of tokens per second, got {raw!r}"
-        ) from None
+            f"the token (from --token or ${TOKEN_ENV}) must be printable ASCII"
+        )
+    return raw
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="output-rate-ctl",
         description="Read and change per-user output-token limits of a vLLM engine.",
         epilog="Exit status: 0 ok, 1 request refused (status code on stderr), 2 usage.",
     )
     parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help="host:port (default %(default)s)"
+        "--address",
+        type=_text,
+        default=DEFAULT_ADDRESS,
+        help="host:port (default %(default)s)",
     )
     parser.add_argument(
         "--token",
+        type=_token,
         default=os.environ.get(TOKEN_ENV),
         help=f"bearer token (default: ${TOKEN_ENV})",
     )
@@ -420,12 +539,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-key", metavar="PEM", help="client private key (mTLS)")
     parser.add_argument(
         "--tls-server-name",
+        type=_text,
         metavar="NAME",
         help="expected name in the server certificate",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds(0.001, MAX_TIMEOUT_S),
         default=10.0,
         help="seconds per call (default %(default)s)",
     )
@@ -440,49 +560,71 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     sub = command("list", _list, "list explicit per-user limits")
-    sub.add_argument("--page-size", type=int, default=1000, help="limits per request")
-    command("get", _get, "show one user's explicit limit").add_argument("user")
+    sub.add_argument(
+        "--page-size",
+        type=_whole(1, MAX_PAGE_SIZE),
+        default=MAX_PAGE_SIZE,
+        help="limits per request (default %(default)s)",
+    )
+    command("get", _get, "show one user's explicit limit").add_argument(
+        "user", type=_user
+    )
     sub = command("set", _set, "set one user's limit (creates it if missing)")
-    sub.add_argument("user")
-    sub.add_argument("rate", type=_rate, help="tokens per second")
+    sub.add_argument("user", type=_user)
+    sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
     sub.add_argument(
         "--create", action="store_true", help="fail if the user has a limit already"
     )
     sub = command(
         "delete", _delete, "delete one user's limit (the default applies again)"
     )
-    sub.add_argument("user")
+    sub.add_argument("user", type=_user)
     sub.add_argument(
         "--allow-missing", action="store_true", help="succeed if there is none"
     )
     command("get-default", _get_default, "show the default limit")
     command("set-default", _set_default, "set the default limit").add_argument(
-        "rate", type=_rate, help="tokens per second"
+        "rate", type=_whole(1, MAX_RATE), help="tokens per second"
     )
     sub = command("state", _state, "show limiter state of one user, or of all users")
-    sub.add_argument("user", nargs="?")
+    sub.add_argument("user", nargs="?", type=_user)
     sub.add_argument(
-        "--order-by", default="throttled_skips desc", help="default: %(default)s"
+        "--order-by",
+        type=_text,
+        default="throttled_skips desc",
+        help="default: %(default)s",
     )
-    sub.add_argument("--top", type=int, default=0, help="show at most N users")
+    sub.add_argument(
+        "--top", type=_whole(0), default=0, help="show at most N users (0: all)"
+    )
     sub = command("watch", _watch, "show limiter state live")
-    sub.add_argument("users", nargs="*", help="users to watch (default: the top ones)")
+    sub.add_argument(
+        "users",
+        nargs="*",
+        type=_user,
+        help="users to watch (default: the top ones)",
+    )
     sub.add_argument(
         "--interval",
-        type=float,
+        type=_seconds(MIN_WATCH_INTERVAL_NS / 1e9, MAX_WATCH_INTERVAL_NS / 1e9),
         default=1.0,
         help="seconds between updates (default %(default)s)",
     )
     sub.add_argument(
-        "--order-by", default="throttled_skips desc", help="default: %(default)s"
+        "--order-by",
+        type=_text,
+        default="throttled_skips desc",
+        help="default: %(default)s",
     )
     sub.add_argument(
         "--top",
-        type=int,
+        type=_whole(1, MAX_PAGE_SIZE),
         default=20,
         help="users per update without USERS (default %(default)s)",
     )
-    sub.add_argument("--count", type=int, default=0, help="stop after N updates")
+    sub.add_argument(
+        "--count", type=_whole(0), default=0, help="stop after N updates (0: never)"
+    )
     sub = command("export", _export, "write the limits table as JSON (with its etag)")
     sub.add_argument("file", nargs="?", help="output file (default: stdout)")
     sub = command("import", _import, "replace the limits table from a JSON file")

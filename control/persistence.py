@@ -12,8 +12,9 @@ Rules:
   the field (running on the flags alone could silently loosen limits).
 - Every accepted change (RPC) writes the whole table: a temp file in the same
   directory, fsync, rename over the file, fsync the directory. A reader sees
-  the old file or the new one, never a mix; a crash leaves one of them. If the
-  write fails the change is not applied.
+  the old file or the new one, never a mix; a crash leaves one of them. The
+  file keeps its mode, owner and group (a new one gets ``0666 & ~umask``). If
+  the write fails it is logged and the change is not applied.
 - An edit of the file by anyone else is noticed within one poll interval
   (content hash compared every poll) and applied as ``flags overlaid by file``.
   An edit that does not parse or validate is logged, counted in ``failures``,
@@ -32,8 +33,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import secrets
 import stat
-import tempfile
 import threading
 from pathlib import Path
 
@@ -101,8 +102,9 @@ class ConfigFile:
             return self._parse(data)
 
     def write(self, doc: TableDocument) -> None:
-        """Replaces the file with ``doc`` atomically and durably; raises OSError
-        (and leaves no temp file) when that fails."""
+        """Replaces the file with ``doc`` atomically and durably, keeping an
+        existing file's mode, owner and group (a new file gets ``0666 & ~umask``);
+        logs and raises OSError (leaving no temp file) when that fails."""
         text = dumps(doc, self.format)
         if self.format == "yaml":
             text = _YAML_HEADER + text
@@ -110,21 +112,11 @@ class ConfigFile:
         with self._lock:
             # Through a symlink, replace its target, not the link.
             target = self.path.resolve()
-            fd, temp = tempfile.mkstemp(
-                prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-            )
             try:
-                with os.fdopen(fd, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                _copy_mode(target, temp)
-                os.replace(temp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp)
+                _replace(target, data)
+            except OSError as exc:
+                logger.error("cannot write the config file %s: %s", target, exc)
                 raise
-            _fsync_dir(target.parent)
             self._seen = _hash(data)
 
     def _parse(self, data: bytes) -> TableDocument:
@@ -132,7 +124,12 @@ class ConfigFile:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidArgument(f"{self.path}: not UTF-8 ({exc.reason})") from None
-        return loads(text, self.format, source=str(self.path))
+        try:
+            return loads(text, self.format, source=str(self.path))
+        except RecursionError:  # e.g. 100k "[": the parsers recurse per level
+            raise InvalidArgument(
+                f"{self.path}: not valid {self.format.upper()}: nested too deeply"
+            ) from None
 
 
 def load_at_start(file: ConfigFile, flags: TableDocument) -> TableDocument:
@@ -232,13 +229,46 @@ def _hash(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _copy_mode(target: Path, temp: str) -> None:
-    """Keeps an existing file's permissions (mkstemp creates 0600)."""
+def _replace(target: Path, data: bytes) -> None:
+    """Writes ``data`` to a temp file beside ``target``, fsyncs it and renames it
+    over ``target``, then fsyncs the directory; removes the temp file on failure."""
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
+        existing: os.stat_result | None = os.stat(target)
     except FileNotFoundError:
-        return
-    os.chmod(temp, mode)
+        existing = None
+    # A new file: 0666 and the kernel applies the umask, as for any new file (no
+    # os.umask() round trip, which would race other threads). Replacing a file:
+    # private until it carries the old file's owner and mode.
+    fd, temp = _create_temp(target, 0o666 if existing is None else 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            if existing is not None:
+                _keep_metadata(out.fileno(), existing)
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    _fsync_dir(target.parent)
+
+
+def _create_temp(target: Path, mode: int) -> tuple[int, str]:
+    """A new file ``.{name}.{random}.tmp`` beside ``target``, created exclusively
+    with ``mode`` (``tempfile.mkstemp`` would force 0600)."""
+    temp = str(target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp")
+    return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), temp
+
+
+def _keep_metadata(fd: int, existing: os.stat_result) -> None:
+    """Gives the open file the owner, group and mode of ``existing``. Owner and
+    group only where allowed (root, or a group we belong to), else ours; chown
+    first, as it may clear set-id bits."""
+    with contextlib.suppress(PermissionError):
+        os.fchown(fd, existing.st_uid, existing.st_gid)
+    os.fchmod(fd, stat.S_IMODE(existing.st_mode))
 
 
 def _fsync_dir(directory: Path) -> None:

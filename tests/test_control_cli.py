@@ -153,19 +153,49 @@ def test_import_after_a_concurrent_change_is_aborted(ctl, rig, tmp_path):
         ('{"users": {"a": 0}}', "must be between 1 and 1000000, got 0"),
         ('{"users": {"": 1}}', "must not be empty"),
         ('{"users": {"a": 1}', "not valid JSON"),
+        (
+            '{"users": {"a": 99999999999999999999}}',
+            "must be between 1 and 1000000, got 99999999999999999999",
+        ),
+        ('{"default_tokens_per_second": 1e400}', "got inf of type float"),
+        ("[" * 100_000, "not valid JSON: nested too deeply"),
+        ('{"users": {"a": 1}, "etag": "\\ud800"}', "etag must be well-formed Unicode"),
+        (b'{"users": {"\xff": 1}}', "not UTF-8 (invalid start byte)"),
     ],
-    ids=["unknown-field", "fractional", "zero", "empty-user", "syntax"],
+    ids=[
+        "unknown-field",
+        "fractional",
+        "zero",
+        "empty-user",
+        "syntax",
+        "huge",
+        "infinite",
+        "deeply-nested",
+        "surrogate-etag",
+        "not-utf8",
+    ],
 )
 def test_a_bad_import_file_is_invalid_argument_and_changes_nothing(
     ctl, rig, tmp_path, content, message
 ):
     path = tmp_path / "table.json"
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     status, _, err = ctl("import", str(path))
     assert status == 1
     assert err.startswith("error: INVALID_ARGUMENT: ")
     assert message in err
+    assert len(err.splitlines()) == 1
     assert rig.limiter.user_rates == {"alice": 5, "bob": 20}
+
+
+def test_a_multi_line_parser_error_is_printed_on_one_line(ctl, tmp_path):
+    path = tmp_path / "table.yaml"
+    path.write_text("users: [\n")
+    status, _, err = ctl("import", str(path))
+    assert status == 1
+    assert err.startswith("error: INVALID_ARGUMENT: ")
+    assert "not valid YAML: while parsing" in err
+    assert len(err.splitlines()) == 1
 
 
 def test_import_without_default_keeps_the_current_one(ctl, rig, tmp_path):
@@ -180,14 +210,10 @@ def test_import_without_default_keeps_the_current_one(ctl, rig, tmp_path):
     ("argv", "status", "code"),
     [
         (["get", "nobody"], 1, "NOT_FOUND"),
-        (["set", "alice", "0"], 1, "INVALID_ARGUMENT"),
-        (["set", "alice", "-3"], 1, "INVALID_ARGUMENT"),
-        (["set", "alice", "99999999999"], 1, "INVALID_ARGUMENT"),
-        (["set", "a\x01b", "5"], 1, "INVALID_ARGUMENT"),
-        (["set", "x" * 300, "5"], 1, "INVALID_ARGUMENT"),
         (["state", "--order-by", "shoe size"], 1, "INVALID_ARGUMENT"),
-        (["watch", "--interval", "0.001"], 1, "INVALID_ARGUMENT"),
+        (["watch", *(f"u{i}" for i in range(101))], 1, "INVALID_ARGUMENT"),
     ],
+    ids=["unknown-user", "bad-order", "too-many-watched"],
 )
 def test_refused_requests_exit_1_with_the_status_code(ctl, argv, status, code):
     got, out, err = ctl(*argv)
@@ -195,19 +221,129 @@ def test_refused_requests_exit_1_with_the_status_code(ctl, argv, status, code):
     assert err.startswith(f"error: {code}: ")
 
 
+RATE_RANGE = "argument rate: must be a whole number between 1 and 1000000, got"
+SURROGATE = "the user id must be well-formed Unicode"
+USAGE_ERRORS = {
+    # id: (argv, a part of the one line on stderr)
+    "no-command": ([], "the following arguments are required: COMMAND"),
+    "unknown-command": (["fro\nb"], "invalid choice: 'fro\\nb'"),
+    "missing-rate": (["set", "alice"], "the following arguments are required: rate"),
+    "missing-user": (["get"], "the following arguments are required: user"),
+    "huge-rate": (["set", "huge", "99999999999999999999"], RATE_RANGE),
+    "huge-negative-rate": (["set", "a", "-99999999999999999999"], RATE_RANGE),
+    "rate-above-max": (["set", "alice", "1000001"], f"{RATE_RANGE} '1000001'"),
+    "zero-rate": (["set", "alice", "0"], f"{RATE_RANGE} '0'"),
+    "negative-rate": (["set", "alice", "-3"], f"{RATE_RANGE} '-3'"),
+    "fractional-rate": (["set", "alice", "1.5"], f"{RATE_RANGE} '1.5'"),
+    "5000-digit-rate": (["set", "alice", "9" * 5000], f"{RATE_RANGE} '999"),
+    "huge-default": (["set-default", "99999999999999999999"], RATE_RANGE),
+    "zero-default": (["set-default", "0"], RATE_RANGE),
+    "huge-page-size": (
+        ["list", "--page-size", "99999999999"],
+        "argument --page-size: must be a whole number between 1 and 1000",
+    ),
+    "negative-page-size": (["list", "--page-size", "-1"], "argument --page-size"),
+    "negative-top": (
+        ["state", "--top", "-5"],
+        "argument --top: must be a whole number, at least 0, got '-5'",
+    ),
+    "huge-watch-top": (
+        ["watch", "--top", "99999999999"],
+        "argument --top: must be a whole number between 1 and 1000",
+    ),
+    "negative-count": (["watch", "--count", "-1"], "argument --count"),
+    "short-interval": (
+        ["watch", "--interval", "0.001"],
+        "argument --interval: must be a number of seconds between 0.1 and 60",
+    ),
+    "nan-interval": (["watch", "--interval", "nan"], "argument --interval"),
+    "infinite-interval": (["watch", "--interval", "1e400"], "argument --interval"),
+    "long-interval": (["watch", "--interval", "61"], "argument --interval"),
+    "zero-timeout": (
+        ["--timeout", "0", "list"],
+        "argument --timeout: must be a number of seconds between 0.001 and 86400",
+    ),
+    "nan-timeout": (["--timeout", "nan", "list"], "argument --timeout"),
+    "huge-timeout": (["--timeout", "1e300", "list"], "argument --timeout"),
+    "control-character-user": (
+        ["set", "a\x01b", "5"],
+        "argument user: the user id must not contain control characters",
+    ),
+    "long-user": (["set", "x" * 300, "5"], "must be at most 256 bytes"),
+    "surrogate-user": (["set", "bad\udcff", "5"], SURROGATE),
+    "surrogate-get": (["get", "bad\ud800"], SURROGATE),
+    "surrogate-delete": (["delete", "bad\ud800"], SURROGATE),
+    "surrogate-state": (["state", "bad\ud800"], SURROGATE),
+    "surrogate-watch": (["watch", "ok", "bad\ud800"], SURROGATE),
+    "surrogate-order": (
+        ["state", "--order-by", "x\ud800"],
+        "argument --order-by: must be well-formed Unicode",
+    ),
+    "surrogate-address": (
+        ["--address", "x\udcff", "list"],
+        "argument --address: must be well-formed Unicode",
+    ),
+    "newline-token": (["--token", "a\nb", "list"], "must be printable ASCII"),
+    "surrogate-token": (["--token", "a\udcff", "list"], "must be printable ASCII"),
+}
+
+
 @pytest.mark.parametrize(
-    "argv",
-    [[], ["frobnicate"], ["set", "alice"], ["set", "alice", "1.5"], ["get"]],
-    ids=["no-command", "unknown", "missing-rate", "fractional-rate", "missing-user"],
+    ("argv", "part"), USAGE_ERRORS.values(), ids=USAGE_ERRORS.keys()
 )
-def test_usage_errors_exit_2(ctl, argv):
-    assert ctl(*argv)[0] == 2
+def test_bad_arguments_are_one_line_usage_errors_and_send_nothing(ctl, rig, argv, part):
+    status, out, err = ctl(*argv)
+    assert (status, out) == (2, "")
+    assert err.startswith("output-rate-ctl")
+    assert ": error: " in err
+    assert part in err
+    assert len(err.splitlines()) == 1
+    assert len(err) < 400  # the input is not echoed unbounded
+    assert "Traceback" not in err
+    assert rig.limiter.default_rate == 10
+    assert rig.limiter.user_rates == {"alice": 5, "bob": 20}
+
+
+def test_the_bounds_are_accepted(ctl, rig):
+    assert ctl("set", "alice", "1000000")[0] == 0
+    assert ctl("set", "bob", "1")[0] == 0
+    assert ctl("set-default", "1000000")[0] == 0
+    assert ctl("list", "--page-size", "1000")[0] == 0
+    assert ctl("--timeout", "86400", "list")[0] == 0
+    assert ctl("watch", "--interval", "0.1", "--top", "1000", "--count", "1")[0] == 0
+    assert (rig.limiter.rate_of("alice"), rig.limiter.rate_of("bob")) == (1000000, 1)
+    assert rig.limiter.default_rate == 1000000
+
+
+@pytest.mark.parametrize("given", ["--tls-cert", "--tls-key"])
+def test_a_client_certificate_without_its_key_is_a_usage_error(
+    served, capsys, tmp_path, given
+):
+    """gRPC would abort the whole process (a C-level check) on a certificate
+    without its key."""
+    pem = tmp_path / "x.pem"
+    pem.write_text("-")
+    status = main(["--address", served.address, given, str(pem), "list"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.splitlines() == [
+        "output-rate-ctl: error: --tls-cert and --tls-key go together"
+    ]
 
 
 def test_a_missing_import_file_is_a_usage_error(ctl, tmp_path):
     status, _, err = ctl("import", str(tmp_path / "nope.json"))
     assert status == 2
     assert "cannot read" in err
+
+
+def test_an_unwritable_export_file_is_a_usage_error(ctl, tmp_path):
+    path = tmp_path / "missing-dir" / "table.json"
+    status, _, err = ctl("export", str(path))
+    assert status == 2
+    assert err.splitlines() == [
+        f"output-rate-ctl: error: cannot write {path}: No such file or directory"
+    ]
 
 
 def test_a_wrong_token_exits_1_unauthenticated(served, capsys):
@@ -243,3 +379,29 @@ def test_the_console_script_runs(served):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"default_tokens_per_second": 10}
+
+
+def test_the_console_script_refuses_a_huge_rate_with_one_line():
+    """The reproduction of the report, as an operator runs it: before, protobuf's
+    ``ValueError: Value out of range`` as a traceback and exit status 1."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from control.cli import run; run()",
+            "--address",
+            "127.0.0.1:1",  # nothing is sent
+            "set",
+            "huge",
+            "99999999999999999999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        "output-rate-ctl set: error: argument rate: must be a whole number between "
+        "1 and 1000000, got '99999999999999999999' (see output-rate-ctl set --help)"
+    ]

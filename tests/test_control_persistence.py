@@ -4,6 +4,7 @@ restarts."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import time
@@ -198,6 +199,107 @@ def test_a_failed_write_applies_nothing(path, rig, monkeypatch):
         assert served.stub.GetLimitsTable(pb.GetLimitsTableRequest()) == before
     assert rig.limiter.rate_of("alice") == 5
     assert files_in(path.parent) == [path.name]
+
+
+@pytest.fixture
+def umask():
+    """Sets the process umask for one test (it is process-wide: restored after)."""
+    saved = os.umask(0o022)
+    yield os.umask
+    os.umask(saved)
+
+
+def mode_of(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o600, 0o664], ids=oct)
+def test_a_rewrite_keeps_the_files_mode(path, umask, mode):
+    umask(0o077)  # the mode comes from the old file, not from the umask
+    ConfigFile(path).write(FLAGS)
+    path.chmod(mode)
+    ConfigFile(path).write(TableDocument(5, {"x": 1}))
+    assert mode_of(path) == mode
+    assert ConfigFile(path).load() == TableDocument(5, {"x": 1})
+
+
+@pytest.mark.parametrize(
+    ("mask", "mode"), [(0o022, 0o644), (0o027, 0o640)], ids=["022", "027"]
+)
+def test_a_new_file_gets_0666_minus_the_umask(path, umask, mask, mode):
+    umask(mask)
+    load_at_start(ConfigFile(path), FLAGS)  # created from the flags
+    assert mode_of(path) == mode
+
+
+def test_a_file_deleted_and_recreated_by_a_change_is_not_private(path, rig, umask):
+    service, _ = started(path, rig)
+    path.unlink()
+    service.update_limit("limits/alice", 6, [], allow_missing=False)
+    assert mode_of(path) == 0o644  # not mkstemp's 0600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may give files away")
+def test_a_rewrite_keeps_the_files_owner_and_group(path):
+    ConfigFile(path).write(FLAGS)
+    os.chown(path, 4242, 4343)
+    path.chmod(0o640)
+    ConfigFile(path).write(TableDocument(5, {"x": 1}))
+    info = path.stat()
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (4242, 4343, 0o640)
+
+
+def _parent_made_a_file(path) -> None:
+    """The directory holding the file is replaced by a plain file: ENOTDIR."""
+    moved = path.parent.with_name(path.parent.name + ".moved")
+    path.parent.rename(moved)
+    path.parent.write_text("not a directory")
+
+
+def _target_made_a_directory(path) -> None:
+    """The file is replaced by a non-empty directory: the rename fails (EISDIR)."""
+    path.unlink()
+    path.mkdir()
+    (path / "keep").write_text("x")
+
+
+@pytest.mark.parametrize(
+    ("breakage", "error"),
+    [(_parent_made_a_file, "Not a directory"), (_target_made_a_directory, "Is a")],
+    ids=["parent-is-a-file", "target-is-a-directory"],
+)
+def test_a_failed_write_is_logged_with_the_path_and_the_os_error(
+    tmp_path, rig, caplog, breakage, error
+):
+    """Real failures that hold for root too (chmod would not stop root)."""
+    path = tmp_path / "conf" / "limits.json"
+    path.parent.mkdir()
+    service, _ = started(path, rig)
+    breakage(path)
+    with (
+        serving(service) as served,
+        caplog.at_level(logging.ERROR, logger="vllm.control.persistence"),
+        pytest.raises(grpc.RpcError) as info,
+    ):
+        served.stub.UpdateLimit(
+            pb.UpdateLimitRequest(
+                limit=pb.Limit(name="limits/alice", tokens_per_second=99)
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert rig.limiter.rate_of("alice") == 5
+    [record] = [r for r in caplog.records if r.name == "vllm.control.persistence"]
+    assert record.levelno == logging.ERROR
+    assert str(path) in record.getMessage()
+    assert error in record.getMessage()
+    if path.is_dir():  # the temp file beside it is gone again
+        assert files_in(path.parent) == [path.name]
+
+
+def test_a_deeply_nested_file_is_invalid_not_a_crash(path):
+    path.write_text("[" * 100_000)
+    with pytest.raises(InvalidArgument, match="nested too deeply"):
+        ConfigFile(path).load()
 
 
 def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
