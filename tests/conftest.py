@@ -28,6 +28,7 @@ SERVER_LIMITS = {
         "user-parked": 2,
         "user-live": 10,
         "user-fast": 100_000,
+        "user-slow": 5,
     },
 }
 
