@@ -18,6 +18,9 @@ vLLM version breaks at start-up, not at the first throttled request.
 - ``EngineCoreProc._process_engine_step``: when a step ran no model because every
   ready request was throttled, block on the input queue instead of vLLM's 1 ms
   polling sleep (see ``idle_wait_timeout_s``).
+- ``EngineCoreProc.run_busy_loop``: runs the idle heartbeat alongside the loop;
+  ``EngineCoreProc._handle_client_request``: when the heartbeat asks, cleans up
+  idle users and sends stats without a step (see ``engine_ext.idle_stats``).
 - ``OutputProcessor.do_tracing``: puts a finished request's throttle totals on its
   ``llm_request`` span (see ``engine_ext.request_tracing``).
 """
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine_ext import idle_stats
 from engine_ext.config import (
     ADDITIONAL_CONFIG_KEY,
     DEFAULT_RATE_FLAG,
@@ -61,7 +65,8 @@ def install() -> None:
     _wrap(EngineArgs, "add_cli_args", _add_cli_args)
     _wrap(EngineArgs, "from_cli_args", _from_cli_args)
     _wrap(EngineArgs, "create_engine_config", _create_engine_config)
-    _require(EngineCoreProc, "_handle_client_request")
+    _wrap(EngineCoreProc, "_handle_client_request", _handle_client_request)
+    _wrap(EngineCoreProc, "run_busy_loop", _run_busy_loop)
     _wrap(EngineCoreProc, "_process_engine_step", _process_engine_step)
     _wrap(OutputProcessor, "do_tracing", _do_tracing)
 
@@ -257,6 +262,22 @@ def wait_for_input(engine, timeout_s: float) -> bool:
         return False
     engine._handle_client_request(*request)
     return True
+
+
+def _run_busy_loop(original, engine) -> None:
+    heartbeat = idle_stats.start_for(engine)
+    try:
+        original(engine)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _handle_client_request(original, engine, request_type, request) -> None:
+    if isinstance(request, idle_stats.HeartbeatMarker):
+        request.heartbeat.serve(engine)
+        return
+    original(engine, request_type, request)
 
 
 def _process_engine_step(original, engine) -> bool:

@@ -1,17 +1,22 @@
 """End to end: the limiter's metrics on the vLLM server's own ``/metrics``, scraped
 by a real Prometheus while a throttled load runs; recording rules and every
-dashboard query evaluated there."""
+dashboard query evaluated there. And control-plane changes reaching ``/metrics``
+on an idle server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards.e2e_prometheus import PrometheusServer
 from engine_ext.measure import run_streams
@@ -114,3 +119,83 @@ def vllm_server_users() -> list[str]:
     from tests.conftest import SERVER_LIMITS
 
     return list(SERVER_LIMITS["users"])
+
+
+#: Not in SERVER_LIMITS: the users other tests rely on keep their limits.
+IDLE_USER = "user-idle-metrics"
+#: Far above the heartbeat's ~2 s: the test proves freshness, not its speed.
+IDLE_DEADLINE_S = 30.0
+LIMIT_GAUGE = "vllm:output_rate_limit_tokens_per_second"
+RELOADS = "vllm:output_rate_config_reloads_total"
+
+
+def metric_value(server, name: str, **labels: str) -> float | None:
+    """The value of the first sample ``name`` with ``labels`` on ``/metrics``."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                return sample.value
+    return None
+
+
+def seconds_until(
+    server, name: str, holds: Callable[[float | None], bool], **labels: str
+) -> float:
+    """Polls ``/metrics`` until ``holds(value)``; returns how long it took."""
+    started = time.monotonic()
+    while True:
+        value = metric_value(server, name, **labels)
+        if holds(value):
+            return time.monotonic() - started
+        assert time.monotonic() - started < IDLE_DEADLINE_S, (
+            f"{name}{labels} still {value} after {IDLE_DEADLINE_S:.0f} s"
+        )
+        time.sleep(0.05)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Writes ``path`` at once: the server's watcher never reads half of it."""
+    edit = path.with_name(path.name + ".edit")
+    edit.write_text(text)
+    os.replace(edit, path)
+
+
+def test_control_plane_changes_reach_metrics_on_an_idle_server(vllm_server):
+    assert metric_value(vllm_server, "vllm:num_requests_running") == 0
+    config = Path(vllm_server.log_path).parent / "limits.json"
+    channel = grpc.insecure_channel(vllm_server.control_address)
+    stub = pb_grpc.OutputRateControlStub(channel)
+    good: str | None = None
+    try:
+        limit = pb.Limit(name=f"limits/{IDLE_USER}", tokens_per_second=7)
+        stub.UpdateLimit(pb.UpdateLimitRequest(limit=limit, allow_missing=True))
+        limit_s = seconds_until(
+            vllm_server, LIMIT_GAUGE, lambda v: v == 7, user=IDLE_USER
+        )
+
+        good = config.read_text()
+        failures = metric_value(vllm_server, RELOADS, result="failure") or 0
+        replace_file(config, "{not json: an edit the server must refuse")
+        failure_s = seconds_until(
+            vllm_server, RELOADS, lambda v: (v or 0) > failures, result="failure"
+        )
+    finally:
+        if good is not None:
+            replace_file(config, good)  # the table the server still holds
+        stub.DeleteLimit(
+            pb.DeleteLimitRequest(name=f"limits/{IDLE_USER}", allow_missing=True)
+        )
+        channel.close()
+    gone_s = seconds_until(
+        vllm_server, LIMIT_GAUGE, lambda v: v is None, user=IDLE_USER
+    )
+    print(
+        f"\non an idle server, /metrics showed: a limit set over gRPC after "
+        f"{limit_s:.2f} s, a refused limits-file edit after {failure_s:.2f} s "
+        f"(the file is polled every second), a deleted limit gone after "
+        f"{gone_s:.2f} s"
+    )
+    assert metric_value(vllm_server, "vllm:num_requests_running") == 0

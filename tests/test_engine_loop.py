@@ -1,19 +1,27 @@
 """The engine loop's idle wait: after a step that ran no model because every ready
 request was throttled, block on the input queue; new requests and aborts end the
-wait at once."""
+wait at once. And the idle-metrics heartbeat: an engine without requests still
+sends what changed, on its own thread, without a step."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 
+import grpc
 import pytest
-from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from engine_ext import hooks
+from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
+from engine_ext import hooks, idle_stats, stats_payload
 from engine_ext.plugin import register
+from engine_ext.scheduler import OutputRateScheduler
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
 
 
@@ -42,10 +50,12 @@ def throttled_scheduler(tiny_model_dir, wait_s: float):
     return scheduler, scheduler.next_ready_ns - int(wait_s * 1e9)
 
 
-def test_the_hook_is_installed_on_the_engine_core():
+@pytest.mark.parametrize(
+    "name", ["_process_engine_step", "_handle_client_request", "run_busy_loop"]
+)
+def test_the_hooks_are_installed_on_the_engine_core(name):
     register()
-    step = EngineCoreProc.__dict__["_process_engine_step"]
-    assert getattr(step, "__output_rate_hook__", False)
+    assert getattr(EngineCoreProc.__dict__[name], "__output_rate_hook__", False)
 
 
 def test_timeout_is_the_earliest_ready_time_capped_at_50_ms(tiny_model_dir):
@@ -101,3 +111,256 @@ def test_no_wait_after_a_step_that_ran_the_model(tiny_model_dir):
     started = time.monotonic()
     assert hooks._process_engine_step(lambda _: True, engine) is True
     assert time.monotonic() - started < 1.0
+
+
+# -- idle metrics -------------------------------------------------------------
+
+#: Freshness.check on a grid of checks: (fingerprint, payloads built, of them
+#: built for our markers, asks?). Fingerprints are letters; a new one is a change.
+FRESHNESS_ROWS = [
+    ("a", 0, 0, True),  # c0: first check: nothing sent yet
+    ("a", 0, 0, True),  # c1: still owed (the marker was not handled yet)
+    ("a", 1, 1, False),  # c2: the marker's payload paid it
+    ("a", 1, 1, False),  # c3: idle, nothing new
+    ("b", 1, 1, True),  # c4: a change while idle
+    ("b", 2, 2, False),  # c5: paid
+    ("c", 2, 2, True),  # c6: a change right after: asked at once
+    ("c", 3, 3, False),  # c7: paid
+    ("d", 6, 3, False),  # c8: a change while steps run: theirs will pay
+    ("d", 9, 3, False),  # c9: paid by a step
+    ("e", 12, 3, False),  # c10: traffic ends right after this check...
+    ("e", 12, 3, True),  # c11: ...and nothing paid the change seen at c10
+    ("f", 12, 3, True),  # c12: another change before the marker was handled
+    ("f", 13, 4, False),  # c13: one payload pays both
+]
+
+
+def test_freshness_asks_only_when_a_change_is_owed_and_no_step_runs():
+    freshness = idle_stats.Freshness()
+    for step, (fingerprint, built, asked, asks) in enumerate(FRESHNESS_ROWS):
+        assert freshness.check(fingerprint, built, asked) is asks, f"c{step}"
+
+
+class IdleEngine:
+    """What the idle-metrics hooks use of an ``EngineCoreProc``: its scheduler and
+    its real input and output queues."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+
+
+def emitting_scheduler(tiny_model_dir, control: dict | None = None):
+    """A real scheduler that puts the payload into its stats, as in the API
+    server, on a fake clock, with an optional real control plane (``control``
+    settings)."""
+
+    def build(**kwargs):
+        additional = kwargs["vllm_config"].additional_config
+        additional[stats_payload.SETTINGS_KEY] = {"emit": True}
+        if control is not None:
+            additional[CONTROL_CONFIG_KEY] = control
+        return OutputRateScheduler(**{**kwargs, "log_stats": True})
+
+    scheduler = make_scheduler(
+        tiny_model_dir, default_rate=1000, scheduler_cls=build, clock=FakeClock()
+    )
+    assert scheduler.output_rate_stats is not None
+    return scheduler
+
+
+def heartbeat_for(engine: IdleEngine, metrics: bool = True) -> idle_stats.IdleHeartbeat:
+    """The heartbeat ``start_for`` builds, without its thread: a test calls
+    ``check()`` itself."""
+    return idle_stats.IdleHeartbeat(
+        engine.scheduler,
+        lambda marker: engine.input_queue.put_nowait(
+            (EngineCoreRequestType.WAKEUP, marker)
+        ),
+        metrics=metrics,
+    )
+
+
+def handle_input(engine: IdleEngine) -> None:
+    """What the engine loop does with one queued request: vLLM's handler, with
+    our hook in front."""
+    register()
+    EngineCoreProc._handle_client_request(engine, *engine.input_queue.get_nowait())
+
+
+def sent_payload(engine: IdleEngine) -> stats_payload.Payload:
+    """The one output queued for the API process: stats alone, to client 0,
+    with our payload, after vLLM's own wire trip."""
+    client, outputs = engine.output_queue.get_nowait()
+    assert engine.output_queue.empty()
+    assert client == 0
+    wire = MsgpackEncoder().encode(outputs)
+    received = MsgpackDecoder(EngineCoreOutputs).decode(wire)
+    assert received.outputs == []
+    raw = stats_payload.take_payload(received.scheduler_stats)
+    assert raw is not None
+    return stats_payload.parse(raw)
+
+
+def deliver(engine: IdleEngine, heartbeat) -> stats_payload.Payload:
+    assert heartbeat.check() is True
+    assert heartbeat.check() is False  # one marker at a time
+    handle_input(engine)
+    return sent_payload(engine)
+
+
+def finish_requests(scheduler, users: list[str]) -> Driver:
+    """Runs one short request per user to its end: the users stay tracked."""
+    driver = Driver(scheduler, scheduler.clock)
+    driver.add([make_request(user, prompt_len=4, max_tokens=2) for user in users])
+    driver.run(6)
+    assert not scheduler.has_requests()
+    assert scheduler.limiter.tracked_users() == len(users)
+    return driver
+
+
+def test_an_idle_engine_sends_control_plane_changes_without_a_step(
+    tiny_model_dir, tmp_path
+):
+    config = tmp_path / "limits.json"
+    scheduler = emitting_scheduler(
+        tiny_model_dir,
+        {"address": "127.0.0.1:0", "config_path": str(config)},
+    )
+    control = scheduler.output_rate_control
+    engine = IdleEngine(scheduler)
+    heartbeat = heartbeat_for(engine)
+    try:
+        first = deliver(engine, heartbeat)
+        assert first.default_limit == 1000
+        assert heartbeat.check() is False  # nothing new since
+
+        with grpc.insecure_channel(f"127.0.0.1:{control.port}") as channel:
+            limit = pb.Limit(name="limits/idle-user", tokens_per_second=7)
+            pb_grpc.OutputRateControlStub(channel).UpdateLimit(
+                pb.UpdateLimitRequest(limit=limit, allow_missing=True)
+            )
+        changed = deliver(engine, heartbeat)
+        assert changed.limits["idle-user"] == 7
+        assert changed.limit_changes == 1
+
+        # Whole at once: the watcher's own thread polls too, and must not
+        # count a half-written file as a second failure.
+        edit = tmp_path / "edit.json"
+        edit.write_text("{not json")
+        os.replace(edit, config)
+        control.watcher.poll()
+        reloaded = deliver(engine, heartbeat)
+        assert reloaded.config_reloads == {"failure": 1}
+        assert reloaded.limits["idle-user"] == 7  # the last good table stays
+    finally:
+        scheduler.shutdown()
+    assert engine.input_queue.empty()
+
+
+def test_steps_carry_the_news_while_they_run(tiny_model_dir):
+    scheduler = emitting_scheduler(tiny_model_dir)
+    engine = IdleEngine(scheduler)
+    heartbeat = heartbeat_for(engine)
+    deliver(engine, heartbeat)
+    driver = Driver(scheduler, scheduler.clock)
+    driver.add([make_request("u", max_tokens=3)])
+    driver.run(2)  # tokens charged: a change, carried by these steps' stats
+    assert heartbeat.check() is False
+    scheduler.limiter.set_default_rate(50, scheduler.clock())
+    driver.run(2)
+    assert heartbeat.check() is False
+    assert engine.input_queue.empty()
+    # Steps over: one payload settles what the last check saw, then quiet.
+    assert deliver(engine, heartbeat).default_limit == 50
+    assert heartbeat.check() is False
+
+
+def test_an_idle_engine_drops_idle_users_by_time_metrics_or_not(tiny_model_dir):
+    scheduler = make_scheduler(tiny_model_dir, default_rate=1000, clock=FakeClock())
+    assert scheduler.output_rate_stats is None
+    engine = IdleEngine(scheduler)
+    heartbeat = heartbeat_for(engine, metrics=False)
+    driver = finish_requests(scheduler, ["u1", "u2", "u3"])
+    assert heartbeat.check() is False  # the steps cleaned up less than 1 s ago
+    driver.clock.advance_ms(1000)
+    assert heartbeat.check() is True
+    handle_input(engine)
+    assert scheduler.limiter.tracked_users() == 0
+    assert engine.output_queue.empty()  # no metrics, no stats
+    assert heartbeat.check() is False
+
+
+def test_an_idle_cleanup_shows_on_the_metrics(tiny_model_dir):
+    scheduler = emitting_scheduler(tiny_model_dir)
+    engine = IdleEngine(scheduler)
+    heartbeat = heartbeat_for(engine)
+    deliver(engine, heartbeat)
+    driver = finish_requests(scheduler, ["u1", "u2"])
+    assert heartbeat.check() is False  # steps ran
+    driver.clock.advance_ms(1000)
+    assert heartbeat.check() is True
+    handle_input(engine)
+    assert sent_payload(engine).tracked_users == 0
+
+
+def test_a_plain_wakeup_is_still_dropped_by_vllm(tiny_model_dir):
+    engine = IdleEngine(emitting_scheduler(tiny_model_dir))
+    engine.input_queue.put((EngineCoreRequestType.WAKEUP, None))
+    handle_input(engine)
+    assert engine.output_queue.empty()
+
+
+def test_a_failing_stats_build_is_logged_not_raised_and_retried(
+    tiny_model_dir, monkeypatch, caplog
+):
+    scheduler = emitting_scheduler(tiny_model_dir)
+    engine = IdleEngine(scheduler)
+    heartbeat = heartbeat_for(engine)
+
+    def broken():
+        raise RuntimeError("stats broke")
+
+    monkeypatch.setattr(scheduler, "make_stats", broken)
+    assert heartbeat.check() is True
+    with caplog.at_level("ERROR", logger="vllm.engine_ext.idle_stats"):
+        handle_input(engine)  # on the engine thread: must not raise
+    assert "sending idle metrics failed" in caplog.text
+    assert engine.output_queue.empty()
+    monkeypatch.undo()
+    assert deliver(engine, heartbeat).default_limit == 1000
+
+
+def test_the_heartbeat_thread_queues_a_marker_for_the_engine(tiny_model_dir):
+    engine = IdleEngine(emitting_scheduler(tiny_model_dir))
+    heartbeat = idle_stats.IdleHeartbeat(
+        engine.scheduler, engine.input_queue.put_nowait, period_s=0.01, metrics=True
+    )
+    heartbeat.start()
+    try:
+        marker = engine.input_queue.get(timeout=60)
+    finally:
+        heartbeat.stop()
+    assert isinstance(marker, idle_stats.HeartbeatMarker)
+
+
+def test_the_busy_loop_runs_the_heartbeat_only_with_pacing_on(tiny_model_dir):
+    def heartbeat_running() -> bool:
+        return any(
+            t.name == "output-rate-idle-heartbeat" for t in threading.enumerate()
+        )
+
+    seen: list[bool] = []
+
+    def busy_loop(engine) -> None:
+        seen.append(heartbeat_running())
+
+    for scheduler in (
+        emitting_scheduler(tiny_model_dir),
+        make_scheduler(tiny_model_dir, default_rate=100),  # pacing, no metrics
+        make_scheduler(tiny_model_dir, default_rate=None),  # pacing off
+    ):
+        hooks._run_busy_loop(busy_loop, IdleEngine(scheduler))
+        assert not heartbeat_running()
+    assert seen == [True, True, False]
