@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from engine_ext.local_server import VllmServer, process_cpu_seconds, start_server
-from engine_ext.measure import bracketed, rates_by_user, run_streams
+from engine_ext.measure import bracketed, most_tokens, rates_by_user, run_streams
 from engine_ext.tiny_model import ensure_tiny_model
 
 LIMITS = {"user-a": 20, "user-b": 100, "user-parked": 2}
@@ -77,12 +77,22 @@ async def _paced_scenarios(server: VllmServer) -> dict:
         streams = [("user-a", TOKENS)] * a_streams + [("user-b", TOKENS)]
         rates = rates_by_user(await run_streams(server.base_url, server.model, streams))
         out[f"a{a_streams}"] = {
-            user: {"tokens": r.tokens, "span_s": r.span_s, "tok_s": r.tokens_per_s}
+            user: {
+                "tokens": r.tokens,
+                "span_s": r.span_s,
+                "tok_s": r.tokens_per_s,
+                "window_s": r.window_s,
+                "window_tok_s": r.window_tokens_per_s,
+                # GCRA's ceiling over the window from sending, which holds every
+                # charge (the first-to-last span may not: see engine_ext.measure).
+                "most_tokens": most_tokens([(0.0, LIMITS[user])], r.window_s),
+            }
             for user, r in rates.items()
         }
 
     async def throttled_a() -> None:
-        await run_streams(server.base_url, server.model, [("user-a", 10)] * 4)
+        # 40 s at 20 tok/s: outlasts user-c's measurement; bracketed cancels it.
+        await run_streams(server.base_url, server.model, [("user-a", TOKENS)] * 4)
 
     c = await bracketed(lambda: _c_request_rate(server), throttled_a, 7, 0.3)
     out["c_solo_tok_s"] = c.alone
@@ -130,7 +140,9 @@ def _report(results: dict) -> None:
             limit = LIMITS[user]
             print(
                 f"{scenario} {user:<7} {r['tokens']:>4} tokens in {r['span_s']:6.2f} s"
-                f" = {r['tok_s']:7.2f} tok/s (limit {limit})"
+                f" = {r['tok_s']:7.2f} tok/s (limit {limit}); from sending "
+                f"{r['window_s']:6.2f} s = {r['window_tok_s']:7.2f} tok/s, GCRA "
+                f"allows {r['most_tokens']:.1f}"
             )
     print(
         f"user-c alone {statistics.median(results['c_solo_tok_s']):.1f} tok/s, beside "

@@ -1,12 +1,25 @@
 """Client-side measurement of per-user output rates against an OpenAI-compatible
 server: concurrent streams, exact token counts from ``continuous_usage_stats``,
 rate = tokens over the span from a user's first to last token (the article's
-definition)."""
+definition), and the limiter's ceiling over a window the client knows holds every
+charge.
+
+Which window proves what. A token reaches the client some time after the server
+charged it, and that delay varies (a busy client or machine). A late first token
+makes the first-to-last span shorter than the span over which the server charged
+the tokens, so that span cannot prove a ceiling; it can be longer only by the last
+token's delay, so it serves the floor ("not paced too slowly"). The window from the
+user's first request being sent to its last token surely holds every charge (the
+scheduler charges a token in a step it schedules after the request reached it, and
+the token leaves after that), so GCRA's ceiling over it holds whatever the delays:
+that window serves the ceiling.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -15,6 +28,10 @@ from dataclasses import dataclass, field
 import httpx
 
 from engine_ext.identity import USER_FIELD
+from engine_ext.limiter import DEFAULT_BURST_NS
+
+#: The server's GCRA burst (delay variation tolerance) in seconds.
+BURST_S = DEFAULT_BURST_NS / 1e9
 
 
 @dataclass
@@ -25,7 +42,7 @@ class StreamResult:
     token_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: str | None = None
-    started_at: float = 0.0  #: when the request was sent
+    started_at: float = 0.0  #: just before the request's first byte was sent
     finished_at: float = 0.0  #: when the stream ended
 
     @property
@@ -40,10 +57,19 @@ class UserRate:
     user: str | None
     tokens: int  #: N: tokens over all of the user's streams
     span_s: float  #: W: first to last token of the user, in seconds
+    #: From the user's first request being sent to its last token, in seconds:
+    #: every one of the N tokens was charged inside it.
+    window_s: float
 
     @property
     def tokens_per_s(self) -> float:
+        """N over the first-to-last span (the article's rate)."""
         return self.tokens / self.span_s if self.span_s > 0 else float("inf")
+
+    @property
+    def window_tokens_per_s(self) -> float:
+        """N over the window from the first request being sent."""
+        return self.tokens / self.window_s
 
 
 async def stream_completion(
@@ -115,15 +141,44 @@ async def run_streams(
 
 
 def rates_by_user(results: Sequence[StreamResult]) -> dict[str | None, UserRate]:
-    """Per user: N tokens over the span W from its first to its last token."""
+    """Per user: N tokens, the span W from its first to its last token, and the
+    window from its first request being sent to its last token."""
     times: dict[str | None, list[float]] = {}
+    sent: dict[str | None, float] = {}
     for result in results:
         times.setdefault(result.user, []).extend(result.token_times)
+        sent[result.user] = min(sent.get(result.user, math.inf), result.started_at)
     return {
-        user: UserRate(user=user, tokens=len(ts), span_s=max(ts) - min(ts))
+        user: UserRate(
+            user=user,
+            tokens=len(ts),
+            span_s=max(ts) - min(ts),
+            window_s=max(ts) - sent[user],
+        )
         for user, ts in times.items()
         if ts
     }
+
+
+def most_tokens(limits: Sequence[tuple[float, int]], until: float) -> float:
+    """GCRA's ceiling on the tokens one user can be charged from ``limits[0][0]``
+    to ``until``, where the limit is ``limits[i][1]`` tok/s from ``limits[i][0]``
+    on (``limits`` in time order, times in seconds).
+
+    The ceiling is the tokens earned over the time, plus the burst at the limit in
+    force when the last token was charged, plus one (a limit change keeps the
+    user's token debt, so it grants no fresh burst). Where that last charge fell is
+    not known, so the largest value over every place is taken. With one limit it is
+    SPEC §3's ``(W + burst) * limit + 1``.
+    """
+    earned, ceiling = 0.0, -math.inf
+    for i, (start, rate) in enumerate(limits):
+        if i > 0 and start > until:
+            break
+        end = min(limits[i + 1][0], until) if i + 1 < len(limits) else until
+        earned += rate * max(0.0, end - start)
+        ceiling = max(ceiling, earned + BURST_S * rate)
+    return ceiling + 1
 
 
 @dataclass(frozen=True)
@@ -151,16 +206,23 @@ async def bracketed(
     settle_s: float,
 ) -> Bracketed:
     """Runs ``measure`` alone, then ``cycles`` times: starts ``load``, waits
-    ``settle_s``, runs ``measure`` beside it, awaits the load, runs ``measure``
-    alone again. Raises if a load ends before its measurement does."""
+    ``settle_s``, runs ``measure`` beside it, cancels the load, runs ``measure``
+    alone again. Raises if a load ends before its measurement does.
+
+    Make the load outlast any measurement, however slow the machine: it is
+    cancelled once its measurement is done, so its length costs nothing."""
     await measure()  # warm-up, not kept
     alone, beside = [await measure()], []
     for _ in range(cycles):
         task = asyncio.ensure_future(load())
-        await asyncio.sleep(settle_s)
-        beside.append(await measure())
-        if task.done():
-            raise RuntimeError("the load ended before the measurement beside it")
-        await task
+        try:
+            await asyncio.sleep(settle_s)
+            beside.append(await measure())
+            if task.done():
+                task.result()  # the load's own error, if it failed
+                raise RuntimeError("the load ended before the measurement beside it")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         alone.append(await measure())
     return Bracketed(alone=alone, beside=beside)

@@ -6,15 +6,78 @@ import asyncio
 
 import pytest
 
-from engine_ext.measure import Bracketed, StreamResult, bracketed, rates_by_user
+from engine_ext.limiter import NS_PER_S, OutputRateLimiter
+from engine_ext.measure import (
+    Bracketed,
+    StreamResult,
+    bracketed,
+    most_tokens,
+    rates_by_user,
+)
 
 
 def test_rate_is_tokens_over_first_to_last_token_span():
-    a = StreamResult(user="a", token_times=[10.0, 10.5, 11.0])
-    b = StreamResult(user="a", token_times=[10.2, 12.0])
+    a = StreamResult(user="a", token_times=[10.0, 10.5, 11.0], started_at=9.5)
+    b = StreamResult(user="a", token_times=[10.2, 12.0], started_at=9.0)
     rate = rates_by_user([a, b])["a"]
     assert (rate.tokens, rate.span_s) == (5, 2.0)
     assert rate.tokens_per_s == 2.5
+
+
+def test_window_runs_from_the_users_first_request_sent_to_its_last_token():
+    a = StreamResult(user="a", token_times=[10.0, 11.0], started_at=9.5)
+    b = StreamResult(user="a", token_times=[10.2, 12.0], started_at=9.0)
+    other = StreamResult(user="b", token_times=[13.0], started_at=1.0)
+    rates = rates_by_user([a, b, other])
+    assert rates["a"].window_s == 3.0
+    assert rates["a"].window_tokens_per_s == 4 / 3
+    assert rates["b"].window_s == 12.0
+
+
+def test_most_tokens_with_one_limit_is_the_spec_bound():
+    assert most_tokens([(5.0, 100)], 6.83) == pytest.approx((1.83 + 0.1) * 100 + 1)
+    assert most_tokens([(5.0, 20)], 5.0) == pytest.approx(0.1 * 20 + 1)
+
+
+def test_most_tokens_after_lowering_keeps_the_faster_burst_until_time_earns_more():
+    limits = [(0.0, 50), (3.0, 10)]
+    # Last charge just before lowering: 150 earned + 50 * 0.1 burst + 1.
+    assert most_tokens(limits, 3.2) == pytest.approx(156)
+    # Later the slow limit's earnings outgrow the fast burst: 170 + 1 + 1.
+    assert most_tokens(limits, 5.0) == pytest.approx(172)
+    # A raise counts from its own time on, the burst at the new limit.
+    assert most_tokens([(0.0, 10), (2.0, 50)], 3.0) == pytest.approx(20 + 50 + 5 + 1)
+    # A change after ``until`` is ignored; one exactly at it may hold the last charge.
+    assert most_tokens([(0.0, 10), (4.0, 50)], 3.0) == pytest.approx(30 + 1 + 1)
+    assert most_tokens([(0.0, 10), (3.0, 50)], 3.0) == pytest.approx(30 + 5 + 1)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        [(0.0, 20)],
+        [(0.0, 10), (2.0, 50), (5.0, 10)],
+        [(0.0, 100), (1.0, 3), (2.5, 7)],
+    ],
+)
+def test_most_tokens_is_the_real_limiters_ceiling_and_it_is_reached(limits):
+    """A user taking every token the real limiter grants, on a 1 ms grid with
+    the limit changed as ``limits`` says: the count never exceeds the ceiling
+    and comes within one token of it."""
+    limiter = OutputRateLimiter(limits[0][1], {})
+    changes = {round(start * 1000): rate for start, rate in limits[1:]}
+    taken, closest = 0, float("inf")
+    for ms in range(8000):
+        now_ns = ms * NS_PER_S // 1000
+        if ms in changes:
+            limiter.set_default_rate(changes[ms], now_ns)
+        while limiter.try_take("u", now_ns):
+            taken += 1
+        ceiling = most_tokens(limits, ms / 1000)
+        # 1e-9: the ceiling is reached exactly, and seconds are floats.
+        assert taken <= ceiling + 1e-9, f"{taken} tokens by {ms} ms, ceiling {ceiling}"
+        closest = min(closest, ceiling - taken)
+    assert closest < 1
 
 
 def test_bracketed_ratio_cancels_drift():
@@ -24,7 +87,7 @@ def test_bracketed_ratio_cancels_drift():
     assert Bracketed(alone=[100, 100], beside=[50]).ratio == 0.5
 
 
-def test_bracketed_runs_measurements_around_each_load():
+def test_bracketed_runs_measurements_around_each_load_and_cancels_it():
     events: list[str] = []
     values = iter(range(100))
 
@@ -34,10 +97,15 @@ def test_bracketed_runs_measurements_around_each_load():
 
     async def load() -> None:
         events.append("load")
-        await asyncio.sleep(0.05)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
 
     result = asyncio.run(bracketed(measure, load, cycles=2, settle_s=0.01))
-    assert events == ["m", "m", "load", "m", "m", "load", "m", "m"]
+    cycle = ["load", "m", "cancelled", "m"]
+    assert events == ["m", "m", *cycle, *cycle]
     assert result.alone == [2.0, 4.0, 6.0] and result.beside == [3.0, 5.0]
 
 
@@ -50,4 +118,16 @@ def test_bracketed_refuses_a_load_that_ended_too_early():
         return None
 
     with pytest.raises(RuntimeError, match="ended before"):
+        asyncio.run(bracketed(measure, load, cycles=1, settle_s=0.01))
+
+
+def test_bracketed_raises_the_error_of_a_failed_load():
+    async def measure() -> float:
+        await asyncio.sleep(0.02)
+        return 1.0
+
+    async def load() -> None:
+        raise ConnectionError("server gone")
+
+    with pytest.raises(ConnectionError, match="server gone"):
         asyncio.run(bracketed(measure, load, cycles=1, settle_s=0.01))
