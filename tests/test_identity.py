@@ -19,7 +19,7 @@ from control.persistence import ConfigFile
 from control.service import LimitsService
 from control.table import loads, shown
 from engine_ext.config import OutputRateConfig, OutputRateConfigError
-from engine_ext.http_guard import check_request_body
+from engine_ext.http_guard import GUARDED_PATHS, check_request_body
 from engine_ext.identity import (
     ANONYMOUS_USER,
     MAX_USER_BYTES,
@@ -211,8 +211,9 @@ def test_offline_requests_refuse_the_id(user, message):
 @BAD_IDS
 def test_the_http_guard_refuses_the_id(user, message):
     body = json.dumps({"prompt": "hi", "vllm_xargs": {USER_FIELD: user}})
-    reason = check_request_body(body.encode())
-    assert reason is not None and message in reason
+    shape = GUARDED_PATHS["/v1/completions"]
+    rejection = check_request_body(body.encode(), shape)
+    assert rejection is not None and message in rejection.message
 
 
 @BAD_IDS
