@@ -2,7 +2,9 @@
 
 Run from anywhere: ``python protos/generate.py``. The generated modules are
 committed so that installs need no code generation; rerun this after editing a
-``.proto`` and commit the result.
+``.proto`` and commit the result. Use the grpcio-tools version pinned in
+``pyproject.toml`` (dev extras): ``tests/test_protos.py`` regenerates the code
+with it and fails when the result differs from what is committed.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from grpc_tools import protoc
 PROTOS = Path(__file__).resolve().parent
 #: Root package of the generated modules (``protos`` is a package of this project).
 PACKAGE = PROTOS.name
+#: File name endings of the generated files.
+GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
-def main() -> int:
-    """Generates ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` next to each
-    ``.proto`` file under ``protos/``; returns protoc's exit status."""
+def main(out: Path = PROTOS) -> int:
+    """Generates ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for each
+    ``.proto`` file under ``protos/``, into the same relative place under
+    ``out`` (by default next to the ``.proto``); returns protoc's exit status."""
     sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     status = protoc.main(
@@ -29,16 +34,16 @@ def main() -> int:
             "grpc_tools.protoc",
             f"-I{PROTOS}",
             f"-I{well_known}",
-            f"--python_out={PROTOS}",
-            f"--pyi_out={PROTOS}",
-            f"--grpc_python_out={PROTOS}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
             *sources,
         ]
     )
     if status == 0:
-        for grpc_module in PROTOS.rglob("*_pb2_grpc.py"):
+        for grpc_module in out.rglob("*_pb2_grpc.py"):
             _make_imports_absolute(grpc_module)
-        for stub in PROTOS.rglob("*_pb2.pyi"):
+        for stub in out.rglob("*_pb2.pyi"):
             _exempt_from_ruff(stub)
     return status
 
