@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_ext.local_server import VllmServer, process_cpu_seconds, start_server
-from engine_ext.measure import bracketed, most_tokens, rates_by_user, run_streams
-from engine_ext.tiny_model import ensure_tiny_model
+from tools.local_server import VllmServer, process_cpu_seconds, start_server
+from tools.measure import bracketed, most_tokens, rates_by_user, run_streams
+from tools.tiny_model import ensure_tiny_model
 
 LIMITS = {"user-a": 20, "user-b": 100, "user-parked": 2}
 DEFAULT_RATE = 100_000  # high enough never to trigger for user-c
@@ -84,7 +84,7 @@ async def _paced_scenarios(server: VllmServer) -> dict:
                 "window_s": r.window_s,
                 "window_tok_s": r.window_tokens_per_s,
                 # GCRA's ceiling over the window from sending, which holds every
-                # charge (the first-to-last span may not: see engine_ext.measure).
+                # charge (the first-to-last span may not: see tools.measure).
                 "most_tokens": most_tokens([(0.0, LIMITS[user])], r.window_s),
             }
             for user, r in rates.items()

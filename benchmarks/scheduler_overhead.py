@@ -15,8 +15,8 @@ from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from engine_ext.tiny_model import ensure_tiny_model
-from tests.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.tiny_model import ensure_tiny_model
 
 
 def time_steps(model_dir: str, requests: int, steps: int, **kwargs) -> float:

@@ -23,11 +23,11 @@ from pathlib import Path
 import grpc
 import httpx
 
-from engine_ext.local_server import free_port, start_server
-from engine_ext.measure import StreamResult, stream_completion
-from engine_ext.tiny_model import ensure_tiny_model
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tools.local_server import free_port, start_server
+from tools.measure import StreamResult, stream_completion
+from tools.tiny_model import ensure_tiny_model
 
 SLOW_USER, SLOW_RATE, SLOW_TOKENS = "user-slow", 5, 4
 PROBE_USER, PROBE_TOKENS = "user-probe", 4

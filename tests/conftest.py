@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.tiny_model import ensure_tiny_model
+from tools.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 
     import httpx
 
-    from engine_ext.local_server import free_port, start_server
+    from tools.local_server import free_port, start_server
 
     workdir = tmp_path_factory.mktemp("server")
     control_address = f"127.0.0.1:{free_port()}"

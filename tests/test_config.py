@@ -16,7 +16,7 @@ from engine_ext.config import OutputRateConfig, OutputRateConfigError
 from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from engine_ext.supported import check_supported
-from tests.scheduler_harness import make_scheduler
+from tools.scheduler_harness import make_scheduler
 
 register()
 

@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 
-from engine_ext.measure import StreamResult, most_tokens, run_streams
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tools.measure import StreamResult, most_tokens, run_streams
 
 pytestmark = pytest.mark.server
 
@@ -24,7 +24,7 @@ def tokens_between(result: StreamResult, start: float, end: float) -> int:
 def first_to_last_rate(result: StreamResult, start: float, end: float) -> float:
     """Tokens that reached the client in ``[start, end)`` over the span from the
     first to the last of them: a client's delays stretch it by the last one's
-    delay at most, so it serves a floor (see ``engine_ext.measure``)."""
+    delay at most, so it serves a floor (see ``tools.measure``)."""
     times = [t for t in result.token_times if start <= t < end]
     assert len(times) >= 2, f"{len(times)} tokens in [{start:.3f}, {end:.3f})"
     return len(times) / (times[-1] - times[0])

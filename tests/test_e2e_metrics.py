@@ -18,11 +18,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboards.e2e_prometheus import PrometheusServer
-from engine_ext.measure import run_streams
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tests.e2e_prometheus import PrometheusServer
 from tests.prometheus_tools import require_binary
+from tools.measure import run_streams
 
 pytestmark = pytest.mark.server
 

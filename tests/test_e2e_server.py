@@ -9,7 +9,10 @@ import grpc
 import httpx
 import pytest
 
-from engine_ext.measure import (
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tests.conftest import SERVER_LIMITS
+from tools.measure import (
     StreamResult,
     UserRate,
     bracketed,
@@ -17,9 +20,6 @@ from engine_ext.measure import (
     rates_by_user,
     run_streams,
 )
-from protos.outputrate.v1 import output_rate_pb2 as pb
-from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
-from tests.conftest import SERVER_LIMITS
 
 pytestmark = pytest.mark.server
 
@@ -32,7 +32,7 @@ def assert_paced(rate: UserRate, limit: int) -> None:
     """At most GCRA's bound over the window from the first request sent to the
     last token, which holds every charge however late tokens reach the client;
     at least 97 % of the limit from first to last token, a span that delays can
-    only stretch by the last token's delay (see ``engine_ext.measure``)."""
+    only stretch by the last token's delay (see ``tools.measure``)."""
     n, floor = rate.tokens, 0.97 * rate.span_s * limit
     ceiling = most_tokens([(0.0, limit)], rate.window_s)
     report = (

@@ -22,7 +22,7 @@ from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateScheduler
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
-from tests.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
 
 
 class EngineLoopStandIn:

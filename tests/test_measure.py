@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine_ext.limiter import NS_PER_S, OutputRateLimiter
-from engine_ext.measure import (
+from tools.measure import (
     Bracketed,
     StreamResult,
     bracketed,

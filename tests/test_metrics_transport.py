@@ -37,7 +37,7 @@ from engine_ext.stats_payload import (
     PayloadBuilder,
     attach,
 )
-from tests.scheduler_harness import make_scheduler
+from tools.scheduler_harness import make_scheduler
 
 MODEL = "tiny-output-rate"
 

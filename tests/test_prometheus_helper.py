@@ -1,4 +1,4 @@
-"""``dashboards/e2e_prometheus.py`` against a real Prometheus server.
+"""``tests/e2e_prometheus.py`` against a real Prometheus server.
 
 The scrape target is a prometheus_client HTTP server in this process exposing the
 real ``OutputRateMetrics``, fed with payloads from the real ``PayloadBuilder``:
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from dashboards.e2e_prometheus import PrometheusError, PrometheusServer
 from engine_ext.accounting import Accounting
 from engine_ext.metrics import OutputRateMetrics
 from engine_ext.stats_payload import PayloadBuilder, parse
+from tests.e2e_prometheus import PrometheusError, PrometheusServer
 from tests.prometheus_tools import require_binary
 
 TICK_S = 0.05

@@ -23,7 +23,7 @@ from engine_ext.request_tracing import (
     STEPS_ATTRIBUTE,
     STEPS_HEADER,
 )
-from tests.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from engine_ext.scheduler import (
     OutputRateScheduler,
     scheduler_class_for,
 )
-from tests.scheduler_harness import (
+from tools.scheduler_harness import (
     Driver,
     FakeClock,
     make_request,
@@ -426,7 +426,7 @@ def test_update_from_output_never_touches_the_limiter(tiny_model_dir, async_sche
     output = scheduler.schedule()
     calls = limiter.try_take_calls.total()
     state = limiter.lead_ns("u", driver.clock.now_ns)
-    from tests.scheduler_harness import model_output_for
+    from tools.scheduler_harness import model_output_for
 
     scheduler.update_from_output(output, model_output_for(scheduler, output))
     assert limiter.try_take_calls.total() == calls

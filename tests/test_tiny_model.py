@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoTokenizer
 
-from engine_ext import tiny_model
+from tools import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-DASHBOARDS = Path(__file__).resolve().parent
+DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 RECORDING_RULES = DASHBOARDS / "output_rate_recording_rules.yml"
 #: The scrape job's name, for ``up{job="target"}``.
 JOB = "target"

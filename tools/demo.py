@@ -1,7 +1,7 @@
 """The demo: a real vLLM server on the tiny local model with per-user limits,
 several concurrent streams per user, measured tok/s printed beside each limit.
 
-``python -m engine_ext.demo [--model-dir DIR] [--tokens N]``
+``python -m tools.demo [--model-dir DIR] [--tokens N]``
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine_ext.local_server import start_server
-from engine_ext.measure import rates_by_user, run_streams
-from engine_ext.tiny_model import ensure_tiny_model
+from tools.local_server import start_server
+from tools.measure import rates_by_user, run_streams
+from tools.tiny_model import ensure_tiny_model
 
 DEFAULT_RATE = 1000
 USER_RATES = {"user-a": 20, "user-b": 100}
