@@ -15,7 +15,8 @@ from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.fake_clock import FakeClock
+from tools.scheduler_harness import Driver, make_request, make_scheduler
 from tools.tiny_model import ensure_tiny_model
 
 

@@ -24,10 +24,12 @@ from google.protobuf import duration_pb2 as _duration_pb2
 
 from control import names
 from control.errors import ControlError, InvalidArgument
+from control.server import MAX_MESSAGE_BYTES
 from control.service import (
     MAX_PAGE_SIZE,
     MAX_WATCH_INTERVAL_NS,
     MIN_WATCH_INTERVAL_NS,
+    MOST_THROTTLED_FIRST,
 )
 from control.settings import DEFAULT_ADDRESS, TOKEN_ENV
 from control.table import TableDocument, dumps, format_of, loads
@@ -37,7 +39,6 @@ from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Longest --timeout: far beyond any call, far below where gRPC's deadline
 #: arithmetic overflows (about 1e10 s).
 MAX_TIMEOUT_S = 86_400.0
@@ -311,7 +312,7 @@ def _import(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
 
 def _limit_dict(limit: _pb2.Limit) -> dict[str, Any]:
     return {
-        "user": limit.name[len(names.LIMITS) :],
+        "user": names.limit_user(limit.name),
         "tokens_per_second": limit.tokens_per_second,
     }
 
@@ -591,7 +592,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--order-by",
         type=_text,
-        default="throttled_skips desc",
+        default=MOST_THROTTLED_FIRST,
         help="default: %(default)s",
     )
     sub.add_argument(
@@ -613,7 +614,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--order-by",
         type=_text,
-        default="throttled_skips desc",
+        default=MOST_THROTTLED_FIRST,
         help="default: %(default)s",
     )
     sub.add_argument(

@@ -23,6 +23,12 @@ def limit_name(user: str) -> str:
     return LIMITS + user
 
 
+def limit_user(name: str) -> str:
+    """The user id in ``limits/{user}``, a name the server sent (it checked the
+    id, so it is not checked again)."""
+    return name.removeprefix(LIMITS)
+
+
 def user_state_name(user: str) -> str:
     """``userStates/{user}``."""
     return USER_STATES + user

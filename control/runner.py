@@ -1,28 +1,32 @@
 """Wires the control plane together inside the engine-core process: config
 file, service, server, file watcher. The one place that does.
 
-How the scheduler hosts it (``host`` is a ``control.host.LimiterHost``)::
+How the scheduler (``engine_ext.scheduler``) runs it; ``shared`` is a
+``control.shared_limiter.SharedLimiter``::
 
     # __init__, after the limiter and the accounting exist:
-    self.output_rate_host = LimiterHost(
-        self.limiter, self.accounting, lambda: self.clock(), self._counts_by_user
+    self.output_rate_shared = SharedLimiter(
+        self.limiter,
+        self.accounting,
+        lambda: self.clock(),
+        request_counts=lambda: self._request_counts,
     )
     self.output_rate_control = serve_from_additional_config(
-        self.output_rate_host, self.vllm_config.additional_config
+        self.output_rate_shared, self.vllm_config.additional_config
     )
 
-    # schedule(): the whole step under the lock, then on_step
-    with self.output_rate_host.lock:
-        output = ...  # today's schedule(), _settle() included
-        self.output_rate_host.on_step(step.now_ns)
+    # schedule(): the whole step under the lock, ending with on_step
+    with self.output_rate_shared.lock:
+        output = self._paced_schedule(*args, **kwargs)
 
     # shutdown(): before upstream's
     if self.output_rate_control is not None:
         self.output_rate_control.stop()
 
-and, once the engine exists (``EngineCoreProc``), the idle-wait wake-up::
+and, once the engine exists (``EngineCoreProc``), the idle-wait wake-up, which
+``engine_ext.hooks`` binds at the engine's first step::
 
-    host.set_wake(lambda: engine.input_queue.put_nowait(
+    shared.set_wake(lambda: engine.input_queue.put_nowait(
         (EngineCoreRequestType.WAKEUP, None)))
 """
 
@@ -35,7 +39,6 @@ from typing import Any
 
 from opentelemetry import trace
 
-from control.host import LimiterHost
 from control.persistence import (
     DEFAULT_POLL_INTERVAL_S,
     ConfigFile,
@@ -45,6 +48,7 @@ from control.persistence import (
 from control.server import ControlServer, create_server
 from control.service import LimitsService
 from control.settings import ControlSettings
+from control.shared_limiter import SharedLimiter
 from control.table import TableDocument
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -69,22 +73,23 @@ class ControlPlane:
 
 
 def serve(
-    host: LimiterHost,
+    shared: SharedLimiter,
     settings: ControlSettings,
     *,
     tracer_provider: trace.TracerProvider | None = None,
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
 ) -> ControlPlane:
-    """Loads the config file into ``host``'s limiter (the limiter's current
+    """Loads the config file into ``shared``'s limiter (the limiter's current
     table counts as the flags), starts the server on ``settings.address`` and
     marks it SERVING. Raises on a bad config file, bad TLS or token files, or an
     address it may not or cannot bind; nothing keeps running then."""
-    with host.lock:
+    with shared.lock:
         flags = TableDocument(
-            default_rate=host.limiter.default_rate, user_rates=host.limiter.user_rates
+            default_rate=shared.limiter.default_rate,
+            user_rates=shared.limiter.user_rates,
         )
     file = None if settings.config_path is None else ConfigFile(settings.config_path)
-    service = LimitsService(host, persist=None if file is None else file.write)
+    service = LimitsService(shared, persist=None if file is None else file.write)
     watcher = None
     if file is not None:
         start_table = load_at_start(file, flags)
@@ -108,11 +113,11 @@ def serve(
 
 
 def serve_from_additional_config(
-    host: LimiterHost, additional_config: Mapping[str, Any] | None
+    shared: SharedLimiter, additional_config: Mapping[str, Any] | None
 ) -> ControlPlane | None:
     """``serve`` with the settings in ``additional_config``; ``None`` when the
     control plane is switched off (address ``off``)."""
     settings = ControlSettings.from_additional_config(additional_config)
     if not settings.enabled:
         return None
-    return serve(host, settings)
+    return serve(shared, settings)

@@ -1,7 +1,7 @@
 """The gRPC server of the control plane: the API, health, reflection, auth.
 
 ``create_server`` builds it, ``ControlServer.start`` starts it, and
-``control.runner.serve`` wires it to a limiter host and a config file.
+``control.runner.serve`` wires it to a shared limiter and a config file.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from opentelemetry import trace
 from control.interceptors.auth import BearerTokenInterceptor
 from control.interceptors.error_mapping import ErrorMappingInterceptor
 from control.interceptors.tracing import TracingInterceptor
+from control.rpc_counts import RpcCounts
 from control.service import LimitsService
 from control.servicer import MAX_WATCHES, SERVICE_NAME, OutputRateControlServicer
-from control.stats import RpcCounts
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -35,7 +35,8 @@ MAX_WORKERS = 2 * MAX_WATCHES
 #: Calls beyond this many in flight are refused with RESOURCE_EXHAUSTED at once
 #: rather than queued behind the workers.
 MAX_CONCURRENT_RPCS = 64
-#: A whole limits table (100,000 limits of 256-byte ids) is about 27 MB.
+#: A whole limits table (100,000 limits of 256-byte ids) is about 27 MB; the
+#: server and the CLI allow messages this big both ways.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _SERVING = _health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = _health_pb2.HealthCheckResponse.NOT_SERVING

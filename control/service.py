@@ -1,12 +1,13 @@
 """The control plane's operations, free of gRPC: validation, the limits table
 with its etag, per-user state reads, pagination.
 
-Every read and write goes through ``LimiterHost.lock`` (see ``control.host``).
-Changes are also serialised among themselves by a second lock, held while the
-new table is written to the config file; the scheduler never waits for that
-write, only for the in-memory apply. Order of a change: validate, write the
-new table (``persist``), apply it to the limiter and bump the etag under the
-host lock, then ``wake()`` the engine. A failed write applies nothing.
+Every read and write goes through ``SharedLimiter.lock`` (see
+``control.shared_limiter``). Changes are also serialised among themselves by a
+second lock, held while the new table is written to the config file; the
+scheduler never waits for that write, only for the in-memory apply. Order of a
+change: validate, write the new table (``persist``), apply it to the limiter and
+bump the etag under the shared limiter's lock, then ``wake()`` the engine. A
+failed write applies nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from control.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from control.host import COLUMNS, LimiterHost, Reading, UserSnapshot
 from control.pagination import PageTokens
+from control.shared_limiter import COLUMNS, Reading, SharedLimiter, UserSnapshot
 from control.table import (
     MAX_EXPLICIT_LIMITS,
     TableDocument,
@@ -46,7 +47,9 @@ MAX_WATCH_INTERVAL_NS = 60_000_000_000
 DEFAULT_WATCH_INTERVAL_NS = 1_000_000_000
 DEFAULT_WATCH_USERS = 20
 MAX_WATCH_NAMES = 100
-DEFAULT_WATCH_ORDER = "throttled_skips desc"
+#: Most throttled users first: the order of a watch that names none, and the
+#: CLI's default for listing user states.
+MOST_THROTTLED_FIRST = "throttled_skips desc"
 #: The only mutable field of ``Limit`` and ``DefaultLimit``.
 _RATE_FIELD = "tokens_per_second"
 
@@ -84,7 +87,7 @@ class WatchPlan:
 
 
 class LimitsService:
-    """Reads and changes the limits of ``host``'s limiter; see the module docstring.
+    """Reads and changes the limits of ``shared``'s limiter; see the module docstring.
 
     ``persist``, when given, durably stores a whole new table before it is
     applied (raises OSError on failure). ``page_tokens`` signs page tokens
@@ -93,17 +96,17 @@ class LimitsService:
 
     def __init__(
         self,
-        host: LimiterHost,
+        shared: SharedLimiter,
         *,
         persist: Callable[[TableDocument], None] | None = None,
         page_tokens: PageTokens | None = None,
     ) -> None:
-        self._host = host
+        self._shared = shared
         self._persist = persist
         self._tokens = page_tokens or PageTokens()
         self._changes = threading.Lock()
         # The etag: random per process, so an etag from before a restart never
-        # matches, plus a generation bumped with every change under host.lock.
+        # matches, plus a generation bumped with every change under shared.lock.
         self._epoch = secrets.token_hex(4)
         self._generation = 0
 
@@ -112,8 +115,8 @@ class LimitsService:
     def get_default_limit(self, name: str) -> int:
         """The default limit in tokens/s (0 while pacing is off)."""
         names.check_singleton(name, names.DEFAULT_LIMIT, field="name")
-        with self._host.lock:
-            return self._host.limiter.default_rate or 0
+        with self._shared.lock:
+            return self._shared.limiter.default_rate or 0
 
     def update_default_limit(
         self, name: str, tokens_per_second: int, update_mask: Sequence[str]
@@ -132,8 +135,8 @@ class LimitsService:
     def get_limit(self, name: str) -> Limit:
         """The explicit limit named ``limits/{user}``; NotFound without one."""
         user = names.parse_user(name, names.LIMITS, field="name")
-        with self._host.lock:
-            rate = self._host.limiter.user_rates.get(user)
+        with self._shared.lock:
+            rate = self._shared.limiter.user_rates.get(user)
         if rate is None:
             raise _no_limit(user)
         return Limit(user, rate)
@@ -192,8 +195,8 @@ class LimitsService:
         token ("" on the last page)."""
         size = _page_size(page_size)
         after = self._resume("limits", page_token)
-        with self._host.lock:
-            rates = self._host.limiter.user_rates  # a copy: sort off the lock
+        with self._shared.lock:
+            rates = self._shared.limiter.user_rates  # a copy: sort off the lock
         candidates = rates if after is None else (u for u in rates if u > after[0])
         page = heapq.nsmallest(size + 1, candidates)
         token = ""
@@ -207,7 +210,7 @@ class LimitsService:
     def get_limits_table(self, name: str) -> LimitsTable:
         """The default and every explicit limit, with the current etag."""
         names.check_singleton(name, names.LIMITS_TABLE, field="name")
-        with self._host.lock:
+        with self._shared.lock:
             default, users = self._table_locked()
             etag = self._etag()
         return _table(default or 0, users, etag)
@@ -259,7 +262,7 @@ class LimitsService:
             if (new_default, dict(doc.user_rates)) == (default, users):
                 return False
             self._apply(new_default, dict(doc.user_rates))
-        self._host.wake()
+        self._shared.wake()
         return True
 
     # -- user state --------------------------------------------------------
@@ -268,8 +271,8 @@ class LimitsService:
         """The state of the user named ``userStates/{user}``; NotFound for a user
         the limiter does not know."""
         user = names.parse_user(name, names.USER_STATES, field="name")
-        with self._host.lock:
-            reading = self._host.read()
+        with self._shared.lock:
+            reading = self._shared.read()
             if not reading.knows(user):
                 raise NotFound(
                     f"{names.shown(names.user_state_name(user))}: the limiter does "
@@ -286,8 +289,8 @@ class LimitsService:
         order = _Order.parse(order_by, field="order_by")
         scope = f"userStates?order_by={order.canonical}"
         after = self._resume(scope, page_token)
-        with self._host.lock:
-            reading = self._host.read()
+        with self._shared.lock:
+            reading = self._shared.read()
             keys = order.keys(reading, reading.users())
             if after is not None:
                 position = tuple(after)
@@ -325,7 +328,7 @@ class LimitsService:
                 for i, n in enumerate(state_names)
             )
         )
-        order = _Order.parse(order_by or DEFAULT_WATCH_ORDER, field="order_by")
+        order = _Order.parse(order_by or MOST_THROTTLED_FIRST, field="order_by")
         if max_users < 0:
             raise InvalidArgument(f"max_users must not be negative, got {max_users}")
         max_users = min(max_users or DEFAULT_WATCH_USERS, MAX_PAGE_SIZE)
@@ -333,8 +336,8 @@ class LimitsService:
 
     def watch_states(self, plan: WatchPlan) -> list[UserSnapshot]:
         """The states one update of ``plan`` holds, read at one instant."""
-        with self._host.lock:
-            reading = self._host.read()
+        with self._shared.lock:
+            reading = self._shared.read()
             if plan.users:
                 users = [u for u in plan.users if reading.knows(u)]
             else:
@@ -345,18 +348,20 @@ class LimitsService:
     # -- helpers -----------------------------------------------------------
 
     def _table(self) -> tuple[int | None, dict[str, int]]:
-        with self._host.lock:
+        with self._shared.lock:
             return self._table_locked()
 
     def _table_locked(self) -> tuple[int | None, dict[str, int]]:
         """(default, None while pacing is off; copy of the explicit limits).
-        Requires host.lock."""
-        limiter = self._host.limiter
+        Requires shared.lock."""
+        limiter = self._shared.limiter
         return limiter.default_rate, limiter.user_rates
 
     @property
     def limit_changes(self) -> int:
-        """How many table changes were applied (RPCs and file edits)."""
+        """How many new tables were committed: one per successful write RPC
+        (even one that leaves the table as it was) and one per load of the config
+        file that changed the table, the load at start-up included."""
         return self._generation
 
     def _etag(self) -> str:
@@ -380,16 +385,16 @@ class LimitsService:
                     f"the change was not applied: writing the config file failed: {exc}"
                 ) from None
         etag = self._apply(default, users)
-        self._host.wake()
+        self._shared.wake()
         return etag
 
     def _apply(self, default: int | None, users: dict[str, int]) -> str:
         """Makes (``default``, ``users``) the limiter's table, keeping every user's
         token debt, and bumps the etag; returns it. Requires self._changes."""
-        host = self._host
-        with host.lock:
-            limiter = host.limiter
-            now_ns = host.clock()
+        shared = self._shared
+        with shared.lock:
+            limiter = shared.limiter
+            now_ns = shared.clock()
             if default is not None and default != limiter.default_rate:
                 limiter.set_default_rate(default, now_ns)
             current = limiter.user_rates
@@ -443,8 +448,8 @@ class _Order:
 
     def keys(self, reading: Reading, users: Iterable[str]) -> list[tuple[Any, ...]]:
         """Each user's sort key, ending with the user id: ascending tuple order
-        is the requested order. One pass per field (this runs under the host
-        lock for every known user)."""
+        is the requested order. One pass per field (this runs under the
+        shared limiter's lock for every known user)."""
         columns = [
             (reading.column(name), -1 if desc else 1) for name, desc in self.fields
         ]

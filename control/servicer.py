@@ -13,8 +13,8 @@ from google.protobuf import empty_pb2 as _empty_pb2
 
 from control import names
 from control.errors import ResourceExhausted
-from control.host import UserSnapshot
 from control.service import Limit, LimitsService, LimitsTable
+from control.shared_limiter import UserSnapshot
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from control.server import TlsConfig
+from engine_ext.config import flag_dest
 
 #: Key of our settings inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "output_rate_control"
@@ -65,7 +66,9 @@ class ControlSettings:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ControlSettings:
         """Reads the flags ``add_cli_args`` added."""
-        return cls(**{f.name: getattr(args, _DEST[f.name]) for f in fields(cls)})
+        return cls(
+            **{f.name: getattr(args, flag_dest(_FLAGS[f.name])) for f in fields(cls)}
+        )
 
     @classmethod
     def from_additional_config(
@@ -156,6 +159,7 @@ def add_cli_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> N
     )
 
 
+#: Settings field -> its flag.
 _FLAGS = {
     "address": ADDRESS_FLAG,
     "config_path": CONFIG_FLAG,
@@ -164,8 +168,6 @@ _FLAGS = {
     "tls_key": TLS_KEY_FLAG,
     "tls_client_ca": TLS_CLIENT_CA_FLAG,
 }
-#: Settings field -> argparse ``dest`` of its flag.
-_DEST = {name: flag.lstrip("-").replace("-", "_") for name, flag in _FLAGS.items()}
 
 
 def _read(path: str, flag: str) -> bytes:

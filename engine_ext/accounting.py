@@ -35,9 +35,6 @@ class Accounting:
         counters.add(self._users.get(user, UserCounters()))
         return counters
 
-    def users(self) -> list[str]:
-        return list(self._users)
-
     def by_user(self) -> Mapping[str, UserCounters]:
         """A read-only live view of every user's counters (not copied: cheap
         for many users; read it only while nothing records)."""

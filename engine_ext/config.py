@@ -19,6 +19,11 @@ DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
 USER_RATES_FLAG = "--user-output-tokens-per-second"
 
 
+def flag_dest(flag: str) -> str:
+    """The attribute argparse stores ``flag``'s value under (its ``dest``)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
 class OutputRateConfigError(ValueError):
     """A setting of the output-rate limiter is invalid; the message names it."""
 

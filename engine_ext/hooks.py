@@ -43,6 +43,7 @@ from engine_ext.config import (
     USER_RATES_FLAG,
     OutputRateConfig,
     OutputRateConfigError,
+    flag_dest,
     parse_user_rates,
 )
 from engine_ext.limiter import validate_rate
@@ -177,8 +178,8 @@ def _from_cli_args(original, args: argparse.Namespace):
     engine_args = original(args)
     try:
         config = OutputRateConfig.from_flags(
-            getattr(args, _dest(DEFAULT_RATE_FLAG), None),
-            getattr(args, _dest(USER_RATES_FLAG), None),
+            getattr(args, flag_dest(DEFAULT_RATE_FLAG), None),
+            getattr(args, flag_dest(USER_RATES_FLAG), None),
         )
         if not config.enabled:
             return engine_args
@@ -199,10 +200,6 @@ def _from_cli_args(original, args: argparse.Namespace):
         # A new list: the parsed value may be the parser's shared default.
         args.middleware = [*middleware, HTTP_GUARD]
     return engine_args
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
 
 
 def _create_engine_config(original, engine_args, *args, **kwargs):
@@ -281,8 +278,8 @@ def _handle_client_request(original, engine, request_type, request) -> None:
 
 
 def _process_engine_step(original, engine) -> bool:
-    if getattr(engine.scheduler, "output_rate_wake_unbound", False):
-        engine.scheduler.output_rate_wake_unbound = False
+    if getattr(engine.scheduler, "output_rate_needs_wake_binding", False):
+        engine.scheduler.output_rate_needs_wake_binding = False
         engine.scheduler.bind_wake(functools.partial(_wake_engine, engine))
     model_executed = original(engine)
     if not model_executed:

@@ -86,9 +86,9 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
     change bumps ``limit_changes``), the default limit, the event totals and the
     tracked users. Equal fingerprints: nothing new to report.
 
-    Read without the host lock from any thread: the parts are ints and a locked
-    snapshot, and a read torn by a running step only sees news that the step's
-    own payload reports.
+    Read without the shared limiter's lock from any thread: the parts are ints
+    and a locked snapshot, and a read torn by a running step only sees news that
+    the step's own payload reports.
     """
     return (
         scheduler._control_snapshot(),

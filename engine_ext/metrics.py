@@ -103,7 +103,8 @@ _DOCS = {
     TRACKED_USERS: "Users currently holding limiter state.",
     LIMIT_TOKENS_PER_SECOND: "Output-token limit in tokens per second of each "
     f"labelled user; user={DEFAULT_LIMIT_USER!r} is the default limit.",
-    LIMIT_CHANGES: "Per-user or default limit changes applied at runtime.",
+    LIMIT_CHANGES: "New limits tables committed: write RPCs, and loads of the "
+    "limits file that changed the table (the start-up load included).",
     CONFIG_RELOADS: "Limits config-file reloads by result (success, failure).",
     CONTROL_RPCS: "Control-plane RPCs by method and gRPC status code.",
 }

@@ -68,9 +68,9 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from control.host import LimiterHost
 from control.runner import ControlPlane, serve_from_additional_config
 from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
+from control.shared_limiter import SharedLimiter
 from engine_ext import stats_payload
 from engine_ext.accounting import Accounting
 from engine_ext.config import OutputRateConfig
@@ -152,15 +152,16 @@ class OutputRateSchedulerMixin:
         #: Per user (running, throttled) requests, as of the last step's start.
         self._request_counts: dict[str, tuple[int, int]] = {}
         #: Shared with the control plane: the lock held for every whole step.
-        self.output_rate_host = LimiterHost(
+        self.output_rate_shared = SharedLimiter(
             self.limiter,
             self.accounting,
             lambda: self.clock(),
             request_counts=lambda: self._request_counts,
         )
         self.output_rate_control: ControlPlane | None = None
-        #: Set until the engine loop hook binds ``wake`` to the engine's queue.
-        self.output_rate_wake_unbound = False
+        #: Whether the engine-loop hook has yet to bind ``wake`` to the engine's
+        #: input queue (only with pacing on).
+        self.output_rate_needs_wake_binding = False
         #: Throttle totals of requests throttled at least once, kept only when
         #: request tracing is on (they end up on the request's span).
         self._tracing = bool(self.vllm_config.observability_config.otlp_traces_endpoint)
@@ -190,9 +191,9 @@ class OutputRateSchedulerMixin:
             additional = self.vllm_config.additional_config or {}
             if CONTROL_CONFIG_KEY in additional:
                 self.output_rate_control = serve_from_additional_config(
-                    self.output_rate_host, additional
+                    self.output_rate_shared, additional
                 )
-            self.output_rate_wake_unbound = True
+            self.output_rate_needs_wake_binding = True
 
     # -- identity ----------------------------------------------------------
 
@@ -239,7 +240,7 @@ class OutputRateSchedulerMixin:
         if not self.limiter.enabled:
             return super().schedule(*args, **kwargs)
         # The control plane reads and changes limits only between steps.
-        with self.output_rate_host.lock:
+        with self.output_rate_shared.lock:
             output = self._paced_schedule(*args, **kwargs)
         return output
 
@@ -254,7 +255,7 @@ class OutputRateSchedulerMixin:
         if stats is not None and self.output_rate_stats is not None:
             self.output_rate_payloads_built += 1
             try:
-                with self.output_rate_host.lock:
+                with self.output_rate_shared.lock:
                     payload = self.output_rate_stats.build(
                         accounting=self.accounting,
                         user_rates=self.limiter.user_rates,
@@ -289,7 +290,7 @@ class OutputRateSchedulerMixin:
 
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """Lets control-plane changes end the engine's idle wait at once."""
-        self.output_rate_host.set_wake(wake)
+        self.output_rate_shared.set_wake(wake)
 
     def _paced_schedule(self, *args, **kwargs) -> SchedulerOutput:
         step = self._step = _Step(now_ns=self.clock())
@@ -306,7 +307,7 @@ class OutputRateSchedulerMixin:
             # Stable: requests admitted this step stay behind, in admission order.
             self.running.sort(key=lambda req: rank.get(id(req), math.inf))
         self._settle(step, output)
-        self.output_rate_host.on_step(step.now_ns)
+        self.output_rate_shared.on_step(step.now_ns)
         return output
 
     def _order_for_step(self, step: _Step) -> list[Request]:
@@ -478,14 +479,14 @@ class OutputRateSchedulerMixin:
 
     def cleanup_when_idle(self) -> None:
         """Drops idle users if due; for the engine thread between steps."""
-        with self.output_rate_host.lock:
+        with self.output_rate_shared.lock:
             now_ns = self.clock()
             if self.cleanup_due(now_ns):
                 self._cleanup_idle_users(now_ns)
 
     def _cleanup_idle_users(self, now_ns: int) -> None:
-        """Forgets users with no live request whose bucket is full (the host lock
-        is held)."""
+        """Forgets users with no live request whose bucket is full (the shared
+        limiter's lock is held)."""
         self._cleaned_at_ns = now_ns
         self.limiter.cleanup_idle_users(now_ns)
         live_users = set(self._user_of.values())

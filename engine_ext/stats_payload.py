@@ -31,7 +31,6 @@ RPC method name that does not encode counts as ``OTHER_METHOD``.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -55,9 +54,7 @@ DEFAULT_MAX_LABELLED_USERS = 100
 #: there is at most one idle wait per step, so this bounds memory only when
 #: payloads stop being collected (e.g. stats logging turned off).
 MAX_PENDING_IDLE_WAITS = 1024
-#: Distinct control-plane RPC method names; later ones are reported as
-#: ``OTHER_METHOD`` (method names can come from clients: unknown methods).
-MAX_RPC_METHODS = 32
+#: The ``method`` label value of an RPC method name that does not encode.
 OTHER_METHOD = "__other__"
 #: gRPC status code names (``grpc.StatusCode.X.name``); anything else is UNKNOWN.
 GRPC_CODES = frozenset(
@@ -183,53 +180,6 @@ class ControlPlaneSnapshot:
     limit_changes: int = 0
     config_reloads: Mapping[str, int] = field(default_factory=dict)  # result -> n
     rpcs: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (m, code)
-
-
-class ControlPlaneCounters:
-    """Cumulative control-plane events; safe to update from the gRPC server's
-    threads while the engine thread takes snapshots."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._limit_changes = 0
-        self._reloads = dict.fromkeys(RELOAD_RESULTS, 0)
-        self._rpcs: dict[tuple[str, str], int] = {}
-        self._methods: set[str] = set()
-
-    def limit_changed(self, count: int = 1) -> None:
-        """Records ``count`` applied limit changes (one per user or default)."""
-        with self._lock:
-            self._limit_changes += count
-
-    def config_reloaded(self, success: bool) -> None:
-        """Records one config-file reload attempt and its outcome."""
-        with self._lock:
-            self._reloads["success" if success else "failure"] += 1
-
-    def rpc_finished(self, method: str, code: str) -> None:
-        """Records one finished RPC: ``method`` is the short RPC name, ``code``
-        a ``grpc.StatusCode`` name such as ``"OK"``. Methods beyond
-        ``MAX_RPC_METHODS`` distinct names count as ``OTHER_METHOD``; an unknown
-        code counts as ``UNKNOWN``."""
-        if code not in GRPC_CODES:
-            code = "UNKNOWN"
-        with self._lock:
-            if method not in self._methods:
-                if len(self._methods) >= MAX_RPC_METHODS:
-                    method = OTHER_METHOD
-                else:
-                    self._methods.add(method)
-            key = (method, code)
-            self._rpcs[key] = self._rpcs.get(key, 0) + 1
-
-    def snapshot(self) -> ControlPlaneSnapshot:
-        """A consistent copy of every counter."""
-        with self._lock:
-            return ControlPlaneSnapshot(
-                limit_changes=self._limit_changes,
-                config_reloads=dict(self._reloads),
-                rpcs=dict(self._rpcs),
-            )
 
 
 # -- the payload --------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Test doubles and helpers for the control-plane tests: a fake clock, a limiter
-host around real limiter and accounting objects, and real in-process servers."""
+"""Test doubles and helpers for the control-plane tests: a shared limiter over
+real limiter and accounting objects and a fake clock, and real in-process
+servers."""
 
 from __future__ import annotations
 
@@ -9,29 +10,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from control.host import LimiterHost, RequestCounts
 from control.server import ControlServer, TlsConfig, create_server
 from control.service import LimitsService
+from control.shared_limiter import RequestCounts, SharedLimiter
 from engine_ext.accounting import Accounting
 from engine_ext.limiter import OutputRateLimiter
 from protos.outputrate.v1 import output_rate_pb2_grpc
+from tools.fake_clock import FakeClock
 
 NS_PER_S = 1_000_000_000
-#: Start of the fake clock: far from 0, as a monotonic clock would be.
-T0 = 1_000 * NS_PER_S
-
-
-class FakeClock:
-    """A monotonic nanosecond clock that moves only when told."""
-
-    def __init__(self, now_ns: int = T0) -> None:
-        self.now_ns = now_ns
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def advance(self, seconds: float) -> None:
-        self.now_ns += round(seconds * NS_PER_S)
 
 
 class Counts:
@@ -46,27 +33,27 @@ class Counts:
 
 @dataclass
 class Rig:
-    """A host over a real limiter and accounting, driven by a fake clock."""
+    """A shared limiter over a real limiter and accounting, driven by a fake clock."""
 
     clock: FakeClock
     counts: Counts
-    host: LimiterHost
+    shared: SharedLimiter
     wakes: list[int]
 
     @property
     def limiter(self) -> OutputRateLimiter:
-        return self.host.limiter
+        return self.shared.limiter
 
     @property
     def accounting(self) -> Accounting:
-        return self.host.accounting
+        return self.shared.accounting
 
     def step(self, user: str, tokens: int = 1) -> int:
         """Acts as the scheduler: under the lock, tries ``tokens`` tokens for
         ``user`` at the current time, counting as the scheduler does; returns
         how many were granted."""
         granted = 0
-        with self.host.lock:
+        with self.shared.lock:
             now = self.clock()
             for _ in range(tokens):
                 if self.limiter.try_take(user, now):
@@ -74,7 +61,7 @@ class Rig:
                     granted += 1
                 else:
                     self.accounting.record(user, "throttled_skips")
-            self.host.on_step(now)
+            self.shared.on_step(now)
         return granted
 
 
@@ -84,14 +71,14 @@ def make_rig(
     clock = FakeClock()
     counts = Counts()
     wakes: list[int] = []
-    host = LimiterHost(
+    shared = SharedLimiter(
         OutputRateLimiter(default_rate, dict(user_rates or {})),
         Accounting(),
         clock,
         counts,
         wake=lambda: wakes.append(clock()),
     )
-    return Rig(clock, counts, host, wakes)
+    return Rig(clock, counts, shared, wakes)
 
 
 @dataclass

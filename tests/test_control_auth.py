@@ -27,7 +27,7 @@ GET_DEFAULT = "/outputrate.v1.OutputRateControl/GetDefaultLimit"
 
 @pytest.fixture
 def service():
-    return LimitsService(make_rig(10).host)
+    return LimitsService(make_rig(10).shared)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

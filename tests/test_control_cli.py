@@ -22,7 +22,7 @@ def rig():
 
 @pytest.fixture
 def served(rig):
-    with serving(LimitsService(rig.host), auth_token=TOKEN) as served:
+    with serving(LimitsService(rig.shared), auth_token=TOKEN) as served:
         yield served
 
 

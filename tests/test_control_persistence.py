@@ -148,7 +148,7 @@ def rig():
 
 def started(path, rig) -> tuple[LimitsService, ConfigFile]:
     file = ConfigFile(path)
-    service = LimitsService(rig.host, persist=file.write)
+    service = LimitsService(rig.shared, persist=file.write)
     doc = load_at_start(file, TableDocument(10, {"alice": 5}))
     service.reload(lambda: doc)
     return service, file
@@ -305,7 +305,7 @@ def test_a_deeply_nested_file_is_invalid_not_a_crash(path):
 def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
     rig = make_rig(None)
     file = ConfigFile(tmp_path / "limits.json")
-    service = LimitsService(rig.host, persist=file.write)
+    service = LimitsService(rig.shared, persist=file.write)
     service.create_limit("a", 5)
     assert file.load() == TableDocument(None, {"a": 5})
     assert service.get_limits_table("").default_tokens_per_second == 0
@@ -419,7 +419,7 @@ def test_merge_lets_the_file_win():
 def test_limits_survive_a_restart(path):
     settings = ControlSettings(address="127.0.0.1:0", config_path=str(path))
     first = make_rig(10, {"alice": 5})
-    plane = serve(first.host, settings)
+    plane = serve(first.shared, settings)
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{plane.port}")
         stub = output_rate_pb2_grpc.OutputRateControlStub(channel)
@@ -439,7 +439,7 @@ def test_limits_survive_a_restart(path):
         plane.stop(0)
     # A new engine process: the limiter is built from the same flags again.
     second = make_rig(10, {"alice": 5})
-    plane = serve(second.host, settings)
+    plane = serve(second.shared, settings)
     try:
         assert second.limiter.rate_of("bob") == 77
         assert second.limiter.default_rate == 25

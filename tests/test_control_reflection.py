@@ -22,7 +22,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 @pytest.fixture
 def service():
-    return LimitsService(make_rig(10).host)
+    return LimitsService(make_rig(10).shared)
 
 
 def test_reflection_lists_the_service_and_health(service):

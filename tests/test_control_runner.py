@@ -51,7 +51,7 @@ def test_unknown_settings_are_refused():
 def test_off_runs_nothing():
     rig = make_rig(10)
     config = {"output_rate_control": {"address": "off"}}
-    assert serve_from_additional_config(rig.host, config) is None
+    assert serve_from_additional_config(rig.shared, config) is None
 
 
 def test_serve_from_additional_config_is_serving(tmp_path):
@@ -61,7 +61,7 @@ def test_serve_from_additional_config_is_serving(tmp_path):
     config = {
         "output_rate_control": {"address": "127.0.0.1:0", "config_path": str(path)}
     }
-    plane = serve_from_additional_config(rig.host, config)
+    plane = serve_from_additional_config(rig.shared, config)
     try:
         assert rig.limiter.rate_of("alice") == 50  # the file won
         channel = grpc.insecure_channel(f"127.0.0.1:{plane.port}")
@@ -73,14 +73,36 @@ def test_serve_from_additional_config_is_serving(tmp_path):
         plane.stop(0)
 
 
+@pytest.mark.parametrize(
+    ("file_rate", "at_start"), [(50, 1), (5, 0)], ids=["file-differs", "file-equal"]
+)
+def test_limit_changes_counts_committed_tables_the_start_up_load_included(
+    tmp_path, file_rate, at_start
+):
+    rig = make_rig(10, {"alice": 5})
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({"users": {"alice": file_rate}}))
+    settings = ControlSettings(address="127.0.0.1:0", config_path=str(path))
+    plane = serve(rig.shared, settings)
+    try:
+        service = plane.service
+        assert service.limit_changes == at_start
+        service.update_limit("limits/alice", file_rate, [], allow_missing=False)
+        assert service.limit_changes == at_start + 1  # committed, though unchanged
+        service.delete_limit("limits/nobody", allow_missing=True)
+        assert service.limit_changes == at_start + 1  # nothing to delete: no commit
+    finally:
+        plane.stop(0)
+
+
 def test_a_bad_config_file_stops_the_start(tmp_path):
     path = tmp_path / "limits.json"
     path.write_text('{"users": {"alice": 0}}')
     settings = ControlSettings(address="127.0.0.1:0", config_path=str(path))
     with pytest.raises(InvalidArgument, match=r"users\['alice'\] must be between"):
-        serve(make_rig(10).host, settings)
+        serve(make_rig(10).shared, settings)
 
 
 def test_a_public_address_without_auth_stops_the_start():
     with pytest.raises(BindRefused):
-        serve(make_rig(10).host, ControlSettings(address="0.0.0.0:0"))
+        serve(make_rig(10).shared, ControlSettings(address="0.0.0.0:0"))

@@ -25,7 +25,7 @@ def rig():
 
 @pytest.fixture
 def service(rig):
-    return LimitsService(rig.host)
+    return LimitsService(rig.shared)
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_a_stream_speeds_up_and_slows_down_within_a_second_of_a_change(served, r
     def tokens_in(seconds: float) -> int:
         granted = 0
         for _ in range(round(seconds * 100)):
-            rig.clock.advance(0.01)
+            rig.clock.advance_ms(10)
             granted += rig.step("dave")
         return granted
 
@@ -277,7 +277,7 @@ def test_replace_limits_table_without_etag_is_unconditional(served, rig):
 def test_get_user_state_reports_durations_and_counters(served, rig):
     rig.counts.value = {"alice": (3, 2)}
     rig.step("alice", 4)  # 5/s: one granted (TAT +200 ms), three refused
-    rig.clock.advance(0.05)
+    rig.clock.advance_ms(50)
     state = served.stub.GetUserState(pb.GetUserStateRequest(name="userStates/alice"))
     assert state.name == "userStates/alice"
     assert state.user == "alice"
@@ -297,7 +297,7 @@ def test_user_state_of_a_user_known_only_by_requests(served, rig):
 
 def test_recent_tokens_per_second_measures_the_last_seconds(served, rig):
     for _ in range(700):  # 7 s at one attempt per 10 ms: 10/s granted
-        rig.clock.advance(0.01)
+        rig.clock.advance_ms(10)
         rig.step("gus")
     state = served.stub.GetUserState(pb.GetUserStateRequest(name="userStates/gus"))
     assert state.recent_tokens_per_second == pytest.approx(10, rel=0.05)
@@ -860,7 +860,7 @@ def test_unexpected_errors_are_internal_and_not_leaked(served, rig, caplog):
     def broken():
         raise RuntimeError("secret detail")
 
-    rig.host._request_counts = broken
+    rig.shared._request_counts = broken
     error = error_of(
         served.stub.GetUserState, pb.GetUserStateRequest(name="userStates/alice")
     )

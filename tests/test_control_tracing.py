@@ -22,7 +22,7 @@ def traced():
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     rig = make_rig(10, {"alice": 5})
-    with serving(LimitsService(rig.host), tracer_provider=provider) as served:
+    with serving(LimitsService(rig.shared), tracer_provider=provider) as served:
         yield served, exporter, rig
 
 
@@ -56,7 +56,7 @@ def test_an_internal_error_marks_the_span_as_failed(traced):
     def broken():
         raise RuntimeError("boom")
 
-    rig.host._request_counts = broken
+    rig.shared._request_counts = broken
     with pytest.raises(grpc.RpcError):
         served.stub.GetUserState(pb.GetUserStateRequest(name="userStates/alice"))
     (span,) = exporter.get_finished_spans()

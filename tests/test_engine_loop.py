@@ -22,7 +22,8 @@ from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateScheduler
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
-from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.fake_clock import FakeClock
+from tools.scheduler_harness import Driver, make_request, make_scheduler
 
 
 class EngineLoopStandIn:

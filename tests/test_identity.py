@@ -229,7 +229,7 @@ def rig():
 
 @pytest.fixture
 def served(rig):
-    with serving(LimitsService(rig.host)) as served:
+    with serving(LimitsService(rig.shared)) as served:
         yield served
 
 

@@ -33,7 +33,7 @@ from engine_ext.stats_payload import (
     OTHER_USER,
     PAYLOAD_KEY,
     SETTINGS_KEY,
-    ControlPlaneCounters,
+    ControlPlaneSnapshot,
     PayloadBuilder,
     attach,
 )
@@ -107,10 +107,12 @@ def test_payload_reaches_vllms_registry_through_the_real_pipeline(
     accounting.record("alice", "refunds", 2)
     accounting.record("req-id-from-a-request", "charged", 5)
     accounting.record("req-id-from-a-request", "throttled_preemptions", 1)
-    control = ControlPlaneCounters()
-    control.limit_changed()
-    control.config_reloaded(success=False)
-    control.rpc_finished("SetLimit", "INTERNAL")
+    update_limit = "/outputrate.v1.OutputRateControl/UpdateLimit"
+    control = ControlPlaneSnapshot(
+        limit_changes=1,
+        config_reloads={"failure": 1},
+        rpcs={(update_limit, "INTERNAL"): 1},
+    )
     builder = PayloadBuilder()
     builder.observe_idle_wait(0.004)
     builder.observe_idle_wait(0.05)
@@ -120,7 +122,7 @@ def test_payload_reaches_vllms_registry_through_the_real_pipeline(
         default_rate=100,
         throttled_requests=3,
         tracked_users=2,
-        control=control.snapshot(),
+        control=control,
     )
     stats = engine_step(payload, num_running_reqs=4)
 
@@ -149,7 +151,7 @@ def test_payload_reaches_vllms_registry_through_the_real_pipeline(
     assert sample(reloads, result="failure") == 1
     assert sample(reloads, result="success") == 0
     rpcs = "vllm:output_rate_control_rpcs_total"
-    assert sample(rpcs, method="SetLimit", code="INTERNAL") == 1
+    assert sample(rpcs, method=update_limit, code="INTERNAL") == 1
     # vLLM's own metrics come from the same registry: one /metrics, one target.
     assert sample("vllm:num_requests_running", engine="0") == 4
     assert b"req-id-from-a-request" not in generate_latest(REGISTRY)

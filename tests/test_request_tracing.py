@@ -23,7 +23,8 @@ from engine_ext.request_tracing import (
     STEPS_ATTRIBUTE,
     STEPS_HEADER,
 )
-from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.fake_clock import FakeClock
+from tools.scheduler_harness import Driver, make_request, make_scheduler
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import random
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tools.scheduler_harness import Driver, FakeClock, make_request, make_scheduler
+from tools.fake_clock import FakeClock
+from tools.scheduler_harness import Driver, make_request, make_scheduler
 
 MODES = pytest.mark.parametrize(
     "async_scheduling", [False, True], ids=["sync", "async"]

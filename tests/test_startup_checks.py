@@ -202,7 +202,7 @@ def test_the_engine_side_refuses_what_the_preflight_refuses(
     with pytest.raises(ControlSettingsError):
         preflight.check(settings)
     with pytest.raises(engine_error):
-        serve(make_rig(10).host, settings).stop(0)
+        serve(make_rig(10).shared, settings).stop(0)
 
 
 # -- the hook in the API process -------------------------------------------------

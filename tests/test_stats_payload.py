@@ -20,12 +20,10 @@ from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     DEFAULT_MAX_LABELLED_USERS,
     MAX_PENDING_IDLE_WAITS,
-    MAX_RPC_METHODS,
     OTHER_METHOD,
     OTHER_USER,
     PAYLOAD_KEY,
     SETTINGS_KEY,
-    ControlPlaneCounters,
     ControlPlaneSnapshot,
     FailureLog,
     MetricsSettings,
@@ -35,6 +33,9 @@ from engine_ext.stats_payload import (
     parse,
     take_payload,
 )
+
+#: Prefix of the control plane's full RPC method names.
+CONTROL = "/outputrate.v1.OutputRateControl/"
 
 
 def build(builder: PayloadBuilder, accounting: Accounting, rates: dict, **kw):
@@ -133,7 +134,8 @@ def test_ids_that_do_not_encode_are_never_labelled() -> None:
 
 
 def test_rpc_method_names_that_do_not_encode_count_as_other() -> None:
-    snapshot = ControlPlaneSnapshot(rpcs={("/x/\ud800", "OK"): 2, ("Get", "OK"): 1})
+    get = f"{CONTROL}GetLimit"
+    snapshot = ControlPlaneSnapshot(rpcs={("/x/\ud800", "OK"): 2, (get, "OK"): 1})
     raw = PayloadBuilder().build(
         accounting=Accounting(),
         user_rates={},
@@ -144,7 +146,7 @@ def test_rpc_method_names_that_do_not_encode_count_as_other() -> None:
     )
     for text in _strings(raw):
         text.encode("utf-8")
-    assert parse(raw).control_rpcs == {(OTHER_METHOD, "OK"): 2, ("Get", "OK"): 1}
+    assert parse(raw).control_rpcs == {(OTHER_METHOD, "OK"): 2, (get, "OK"): 1}
 
 
 def test_failures_are_logged_at_powers_of_two(caplog) -> None:
@@ -287,56 +289,53 @@ def test_idle_waits_are_drained_by_each_payload_and_bounded() -> None:
 
 
 def test_control_plane_counters_travel_as_deltas() -> None:
-    counters = ControlPlaneCounters()
     builder = PayloadBuilder()
-    counters.limit_changed(2)
-    counters.config_reloaded(success=True)
-    counters.config_reloaded(success=False)
-    counters.rpc_finished("SetLimit", "OK")
-    counters.rpc_finished("SetLimit", "OK")
-    counters.rpc_finished("GetUser", "NOT_FOUND")
-    raw = build(builder, Accounting(), {}, control=counters.snapshot())
-    payload = parse(raw)
+    update, get = f"{CONTROL}UpdateLimit", f"{CONTROL}GetUserState"
+    snapshot = ControlPlaneSnapshot(
+        limit_changes=2,
+        config_reloads={"success": 1, "failure": 1},
+        rpcs={(update, "OK"): 2, (get, "NOT_FOUND"): 1},
+    )
+    payload = parse(build(builder, Accounting(), {}, control=snapshot))
     assert payload.limit_changes == 2
     assert payload.config_reloads == {"success": 1, "failure": 1}
-    assert payload.control_rpcs == {("SetLimit", "OK"): 2, ("GetUser", "NOT_FOUND"): 1}
-    counters.config_reloaded(success=False)
-    payload = parse(build(builder, Accounting(), {}, control=counters.snapshot()))
+    assert payload.control_rpcs == {(update, "OK"): 2, (get, "NOT_FOUND"): 1}
+    snapshot = ControlPlaneSnapshot(
+        limit_changes=2,
+        config_reloads={"success": 1, "failure": 2},
+        rpcs={(update, "OK"): 2, (get, "NOT_FOUND"): 1},
+    )
+    payload = parse(build(builder, Accounting(), {}, control=snapshot))
     assert payload.limit_changes == 0
     assert payload.config_reloads == {"failure": 1}
     assert payload.control_rpcs == {}
     # A payload built without a snapshot carries no control-plane news, and the
     # next snapshot is not counted again from zero.
     assert parse(build(builder, Accounting(), {})).config_reloads == {}
-    counters.limit_changed()
-    payload = parse(build(builder, Accounting(), {}, control=counters.snapshot()))
+    snapshot = ControlPlaneSnapshot(
+        limit_changes=3,
+        config_reloads={"success": 1, "failure": 2},
+        rpcs={(update, "OK"): 3, (get, "NOT_FOUND"): 1},
+    )
+    payload = parse(build(builder, Accounting(), {}, control=snapshot))
     assert (payload.limit_changes, payload.config_reloads) == (1, {})
-
-
-def test_rpc_labels_are_bounded() -> None:
-    counters = ControlPlaneCounters()
-    for i in range(MAX_RPC_METHODS + 5):
-        counters.rpc_finished(f"/evil.Service/Probe{i}", "UNIMPLEMENTED")
-    counters.rpc_finished("SetLimit", "not-a-grpc-code")
-    rpcs = counters.snapshot().rpcs
-    methods = {method for method, _ in rpcs}
-    assert len(methods) == MAX_RPC_METHODS + 1
-    assert rpcs[(OTHER_METHOD, "UNIMPLEMENTED")] == 5
-    assert rpcs[(OTHER_METHOD, "UNKNOWN")] == 1
+    assert payload.control_rpcs == {(update, "OK"): 1}
 
 
 def test_snapshots_from_elsewhere_are_normalised_not_rejected() -> None:
-    """The control plane may hand in its own counts (e.g. full method names)."""
+    """A status code or reload result that the payload does not know is
+    normalised, not allowed to get every later payload rejected."""
+    update = f"{CONTROL}UpdateLimit"
     snapshot = ControlPlaneSnapshot(
         limit_changes=1,
         config_reloads={"success": 2, "partial": 1},
-        rpcs={("/pkg.Svc/Set", "OK"): 3, ("/pkg.Svc/Set", "weird"): 1},
+        rpcs={(update, "OK"): 3, (update, "weird"): 1},
     )
     payload = parse(build(PayloadBuilder(), Accounting(), {}, control=snapshot))
     assert payload.config_reloads == {"success": 2}
     assert payload.control_rpcs == {
-        ("/pkg.Svc/Set", "OK"): 3,
-        ("/pkg.Svc/Set", "UNKNOWN"): 1,
+        (update, "OK"): 3,
+        (update, "UNKNOWN"): 1,
     }
 
 

@@ -27,22 +27,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+from tools.fake_clock import FakeClock
 
 BLOCK_SIZE = 16
-MS = 1_000_000
-
-
-class FakeClock:
-    """Monotonic nanoseconds that only move when a test says so."""
-
-    def __init__(self, start_ns: int = 1_000_000_000_000) -> None:
-        self.now_ns = start_ns
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def advance_ms(self, ms: float) -> None:
-        self.now_ns += int(ms * MS)
 
 
 def make_scheduler(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -11,6 +13,51 @@ import grpc
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
 #: A servicer method returning an iterator of responses (server streaming).
 StreamBehavior = Callable[[Any, grpc.ServicerContext], Iterator[Any]]
+
+
+@dataclass
+class Call:
+    """One call as an interceptor's ``around`` sees it."""
+
+    context: grpc.ServicerContext
+    streaming: bool  #: whether the method streams its responses
+    cancelled: bool = False  #: the client went away mid-stream
+
+    def code(self) -> grpc.StatusCode:
+        """The status the call ends with so far (OK unless set)."""
+        if self.cancelled:
+            return grpc.StatusCode.CANCELLED
+        return self.context.code() or grpc.StatusCode.OK
+
+
+def around_calls(
+    handler: grpc.RpcMethodHandler,
+    around: Callable[[Call], AbstractContextManager[object]],
+) -> grpc.RpcMethodHandler:
+    """A copy of ``handler`` that runs each call of the servicer method inside
+    ``around(call)``: entered before the method runs, left when the call ends,
+    with the method's exception if it raised."""
+
+    def unary(behavior: Behavior) -> Behavior:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            with around(Call(context, streaming=False)):
+                return behavior(request, context)
+
+        return run
+
+    def streaming(behavior: StreamBehavior) -> StreamBehavior:
+        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            call = Call(context, streaming=True)
+            with around(call):
+                try:
+                    yield from behavior(request, context)
+                except GeneratorExit:  # grpc closes the generator
+                    call.cancelled = True
+                    raise
+
+        return run
+
+    return wrap_handler(handler, unary=unary, streaming=streaming)
 
 
 def wrap_handler(

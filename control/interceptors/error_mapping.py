@@ -3,15 +3,16 @@ counted per method and code."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
 
 from control.errors import ControlError
-from control.interceptors._handlers import Behavior, StreamBehavior, wrap_handler
-from control.stats import RpcCounts
+from control.interceptors._handlers import Call, around_calls
+from control.rpc_counts import RpcCounts
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -36,48 +37,25 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         counts = self._counts
 
-        def unary(behavior: Behavior) -> Behavior:
-            def call(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    return behavior(request, context)
-                except Exception as exc:
-                    _abort(method, exc, context)
-                finally:
-                    counts.add(method, _code_name(context))
+        @contextlib.contextmanager
+        def mapped(call: Call) -> Iterator[None]:
+            try:
+                yield
+            except Exception as exc:
+                _abort(method, exc, call)
+            finally:
+                counts.add(method, call.code().name)
 
-            return call
-
-        def streaming(behavior: StreamBehavior) -> StreamBehavior:
-            def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                code = None
-                try:
-                    yield from behavior(request, context)
-                except GeneratorExit:  # the client went away mid-stream
-                    code = grpc.StatusCode.CANCELLED.name
-                    raise
-                except Exception as exc:
-                    _abort(method, exc, context)
-                finally:
-                    counts.add(method, code or _code_name(context))
-
-            return call
-
-        return wrap_handler(handler, unary=unary, streaming=streaming)
+        return around_calls(handler, mapped)
 
 
-def _abort(method: str, exc: Exception, context: grpc.ServicerContext) -> NoReturn:
+def _abort(method: str, exc: Exception, call: Call) -> NoReturn:
     """Ends the call with the status ``exc`` maps to (``context.abort`` raises)."""
     if isinstance(exc, ControlError):
         status, details = grpc.StatusCode[exc.code], str(exc)
-    elif _code_name(context) != grpc.StatusCode.OK.name:
+    elif call.code() != grpc.StatusCode.OK:
         raise exc  # the servicer aborted the call itself: keep its status
     else:
         logger.exception("%s failed", method)
         status, details = grpc.StatusCode.INTERNAL, "internal error (logged by server)"
-    context.abort(status, details)
-
-
-def _code_name(context: grpc.ServicerContext) -> str:
-    """The name of the status the call ends with so far (OK unless set)."""
-    code = context.code()
-    return (code or grpc.StatusCode.OK).name
+    call.context.abort(status, details)

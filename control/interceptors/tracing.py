@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from control.interceptors._handlers import Behavior, StreamBehavior, wrap_handler
+from control.interceptors._handlers import Call, around_calls
 
 #: Codes that mean the server failed (OTel marks only these server spans as
 #: errors; INVALID_ARGUMENT and the like are the client's).
@@ -51,48 +51,29 @@ class TracingInterceptor(grpc.ServerInterceptor):
         parent = propagate.extract(dict(handler_call_details.invocation_metadata or ()))
         tracer = self._tracer
 
-        def start() -> trace.Span:
-            return tracer.start_span(
+        @contextlib.contextmanager
+        def traced(call: Call) -> Iterator[None]:
+            span = tracer.start_span(
                 name, context=parent, kind=SpanKind.SERVER, attributes=attributes
             )
-
-        def unary(behavior: Behavior) -> Behavior:
-            def call(request: Any, context: grpc.ServicerContext) -> Any:
-                span = start()
-                try:
+            try:
+                if call.streaming:
+                    # Not made current: a generator suspends between responses,
+                    # and a context attached across a yield would leak into
+                    # grpc's thread.
+                    yield
+                else:
                     with trace.use_span(
                         span, record_exception=False, set_status_on_exception=False
                     ):
-                        return behavior(request, context)
-                finally:
-                    _end(span, context)
+                        yield
+            finally:
+                _end(span, call.code())
 
-            return call
-
-        def streaming(behavior: StreamBehavior) -> StreamBehavior:
-            # Not made current: a generator suspends between responses, and a
-            # context attached across a yield would leak into grpc's thread.
-            def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                span = start()
-                cancelled = False
-                try:
-                    yield from behavior(request, context)
-                except GeneratorExit:  # the client went away mid-stream
-                    cancelled = True
-                    raise
-                finally:
-                    _end(span, context, cancelled=cancelled)
-
-            return call
-
-        return wrap_handler(handler, unary=unary, streaming=streaming)
+        return around_calls(handler, traced)
 
 
-def _end(
-    span: trace.Span, context: grpc.ServicerContext, *, cancelled: bool = False
-) -> None:
-    code = grpc.StatusCode.CANCELLED if cancelled else context.code()
-    code = code or grpc.StatusCode.OK
+def _end(span: trace.Span, code: grpc.StatusCode) -> None:
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code in _SERVER_FAULTS:
         span.set_status(Status(StatusCode.ERROR, code.name))

@@ -4,7 +4,7 @@ limiter and its counters.
 Concurrency design. The limiter and the accounting are plain objects driven by
 the engine-core's scheduler thread; the control plane runs in gRPC worker
 threads of the same process. Instead of a command queue drained at step
-boundaries, both sides share ``LimiterHost.lock``:
+boundaries, both sides share ``SharedLimiter.lock``:
 
 - the scheduler holds it for the whole of each ``schedule()`` call (which is
   where every ``try_take``, ``refund``, counter update and idle-user cleanup
@@ -69,7 +69,7 @@ class UserSnapshot:
     recent_tokens_per_second: float
 
 
-class LimiterHost:
+class SharedLimiter:
     """Owns the lock under which the scheduler and the control plane use the
     limiter and the accounting; see the module docstring.
 
@@ -113,8 +113,8 @@ class LimiterHost:
 
     def set_wake(self, wake: Callable[[], None] | None) -> None:
         """Sets the ``wake`` callable once the engine exists (the scheduler, and
-        so the host, is built before the engine loop's input queue is reachable
-        from it)."""
+        so the shared limiter, is built before the engine loop's input queue is
+        reachable from it)."""
         self._wake = wake
 
     def read(self) -> Reading:
@@ -131,18 +131,19 @@ class LimiterHost:
 class Reading:
     """Everything one control-plane read needs, gathered once at ``now_ns``.
 
-    Only valid while the host's lock is held (it shares the accounting's dict).
+    Only valid while the shared limiter's lock is held (it shares the
+    accounting's dict).
     """
 
-    def __init__(self, host: LimiterHost) -> None:
-        self.now_ns = host.clock()
+    def __init__(self, shared: SharedLimiter) -> None:
+        self.now_ns = shared.clock()
         # A read may take a due sample too (the engine may be idle).
-        host._recent.observe(self.now_ns, host._net_charged)
-        self._limiter = host.limiter
-        self._recent = host._recent
-        self.counts: RequestCounts = host._request_counts()
-        self.explicit_rates: Mapping[str, int] = host.limiter.user_rates
-        self.counters: Mapping[str, UserCounters] = host.accounting.by_user()
+        shared._recent.observe(self.now_ns, shared._net_charged)
+        self._limiter = shared.limiter
+        self._recent = shared._recent
+        self.counts: RequestCounts = shared._request_counts()
+        self.explicit_rates: Mapping[str, int] = shared.limiter.user_rates
+        self.counters: Mapping[str, UserCounters] = shared.accounting.by_user()
 
     def users(self) -> set[str]:
         """Users the limiter knows: with an explicit limit, live requests or

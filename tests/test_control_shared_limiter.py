@@ -1,4 +1,4 @@
-"""The limiter host: one lock shared with the scheduler, consistent readings,
+"""The shared limiter: one lock shared with the scheduler, consistent readings,
 recent rates on a fixed time grid."""
 
 from __future__ import annotations
@@ -9,21 +9,22 @@ import pytest
 
 from control.recent_rate import RecentRates
 from control.service import LimitsService
-from tests.control_harness import NS_PER_S, T0, make_rig
+from tests.control_harness import NS_PER_S, make_rig
+from tools.fake_clock import T0
 
 S = NS_PER_S
 
 
 def test_a_change_waits_for_the_step_holding_the_lock():
     rig = make_rig(10)
-    service = LimitsService(rig.host)
+    service = LimitsService(rig.shared)
     applied = threading.Event()
 
     def change() -> None:
         service.update_default_limit("", 20, [])
         applied.set()
 
-    with rig.host.lock:  # the scheduler is inside schedule()
+    with rig.shared.lock:  # the scheduler is inside schedule()
         writer = threading.Thread(target=change)
         writer.start()
         assert not applied.wait(0.2)
@@ -35,21 +36,21 @@ def test_a_change_waits_for_the_step_holding_the_lock():
 
 def test_wake_can_be_attached_after_construction():
     rig = make_rig(10)
-    rig.host.wake()  # the harness's recorder
+    rig.shared.wake()  # the harness's recorder
     calls = []
-    rig.host.set_wake(lambda: calls.append(1))
-    LimitsService(rig.host).update_default_limit("", 11, [])
+    rig.shared.set_wake(lambda: calls.append(1))
+    LimitsService(rig.shared).update_default_limit("", 11, [])
     assert (len(rig.wakes), calls) == (1, [1])
-    rig.host.set_wake(None)
-    rig.host.wake()  # nothing to wake: no error
+    rig.shared.set_wake(None)
+    rig.shared.wake()  # nothing to wake: no error
 
 
 def test_a_reading_is_taken_at_one_instant():
     rig = make_rig(10)
     rig.step("a", 3)
-    with rig.host.lock:
-        reading = rig.host.read()
-        rig.clock.advance(1)  # time passing during the read changes nothing
+    with rig.shared.lock:
+        reading = rig.shared.read()
+        rig.clock.advance_ms(1000)  # time passing during the read changes nothing
         state = reading.snapshot("a")
     assert state.tat_lead_ns == 200_000_000
     assert state.next_token_in_ns == 100_000_000
@@ -57,8 +58,8 @@ def test_a_reading_is_taken_at_one_instant():
 
 def test_a_snapshot_of_an_unknown_user_is_zeros_with_the_default_limit():
     rig = make_rig(10)
-    with rig.host.lock:
-        reading = rig.host.read()
+    with rig.shared.lock:
+        reading = rig.shared.read()
         assert not reading.knows("nobody")
         state = reading.snapshot("nobody")
     assert (state.limit, state.tat_lead_ns, state.tokens_charged) == (10, 0, 0)
@@ -66,8 +67,8 @@ def test_a_snapshot_of_an_unknown_user_is_zeros_with_the_default_limit():
 
 def test_pacing_off_reports_limit_zero():
     rig = make_rig(None)
-    with rig.host.lock:
-        assert rig.host.read().snapshot("a").limit == 0
+    with rig.shared.lock:
+        assert rig.shared.read().snapshot("a").limit == 0
 
 
 # Recent rates on a fixed grid: a counter sampled once a second, window 5 s.
