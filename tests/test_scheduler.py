@@ -1,5 +1,6 @@
-"""Scheduling rules (SPEC §2-§5) on vLLM's real Scheduler / AsyncScheduler and KV
-manager, with controlled model-runner outputs and a fake clock."""
+"""Scheduling rules (README "Spec promise → code → test") on vLLM's real
+Scheduler / AsyncScheduler and KV manager, with controlled model-runner outputs and
+a fake clock."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from engine_ext.scheduler import (
     OutputRateScheduler,
     scheduler_class_for,
 )
+from tools.fake_clock import FakeClock
 from tools.scheduler_harness import (
     Driver,
-    FakeClock,
     make_request,
     make_scheduler,
 )
@@ -39,15 +40,31 @@ def setup(tiny_model_dir, async_scheduling, **kwargs):
 
 
 class CountingLimiter(OutputRateLimiter):
-    """The real limiter, counting calls per user."""
+    """The real limiter, counting the calls that spend or return budget, per
+    user."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.try_take_calls: Counter[str] = Counter()
+        self.refund_calls: Counter[str] = Counter()
 
     def try_take(self, user: str, now_ns: int) -> bool:
         self.try_take_calls[user] += 1
         return super().try_take(user, now_ns)
+
+    def refund(self, user: str, now_ns: int) -> None:
+        self.refund_calls[user] += 1
+        super().refund(user, now_ns)
+
+
+def use_counting_limiter(scheduler) -> CountingLimiter:
+    """Gives ``scheduler`` a counting limiter with the same limits, everywhere
+    the scheduler's limiter is held (the scheduler and the limiter it shares
+    with the control plane)."""
+    old = scheduler.limiter
+    limiter = CountingLimiter(old.default_rate, old.user_rates)
+    scheduler.limiter = scheduler.output_rate_shared.limiter = limiter
+    return limiter
 
 
 def step_until_preempted(driver: Driver, request, max_steps: int = 100) -> None:
@@ -161,7 +178,7 @@ def test_charges_equal_sampling_dispatches_so_nothing_is_charged_twice(
 @MODES
 def test_a_refused_user_is_asked_once_per_step(tiny_model_dir, async_scheduling):
     scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=5)
-    scheduler.limiter = CountingLimiter(5, {})
+    use_counting_limiter(scheduler)
     driver.add(make_request("u", max_tokens=100) for _ in range(6))
     for _ in range(30):
         before = scheduler.limiter.try_take_calls["u"]
@@ -420,16 +437,17 @@ def test_idle_step_reports_when_the_next_token_is_allowed(
 @MODES
 def test_update_from_output_never_touches_the_limiter(tiny_model_dir, async_scheduling):
     scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
-    limiter = CountingLimiter(10, {})
-    scheduler.limiter = limiter
+    limiter = use_counting_limiter(scheduler)
     driver.add([make_request("u", prompt_len=4, max_tokens=100)])
     output = scheduler.schedule()
-    calls = limiter.try_take_calls.total()
+    # schedule() charged the step's sampled token through this limiter.
+    assert limiter.try_take_calls["u"] == 1
+    calls = (limiter.try_take_calls.total(), limiter.refund_calls.total())
     state = limiter.lead_ns("u", driver.clock.now_ns)
     from tools.scheduler_harness import model_output_for
 
     scheduler.update_from_output(output, model_output_for(scheduler, output))
-    assert limiter.try_take_calls.total() == calls
+    assert (limiter.try_take_calls.total(), limiter.refund_calls.total()) == calls
     assert limiter.lead_ns("u", driver.clock.now_ns) == state
 
 
