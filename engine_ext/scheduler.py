@@ -31,7 +31,7 @@ dispatch, never against model results, which is what keeps async scheduling
 possible (a request that stops at step N was already charged for N+1).
 
 Slots go to users with budget. A parked request keeps its model-runner slot
-and KV cache (SPEC §5), but never at the expense of a user with budget: when
+and KV cache, but never at the expense of a user with budget: when
 waiting requests of users with budget cannot start because every slot
 (``max_num_seqs``) or the KV cache is held and some holders are parked, parked
 requests are preempted first, before upstream's loops run, with vLLM's own
