@@ -1,7 +1,7 @@
-"""The article's measurement (SPEC §9), side by side in one run, on a real local
-vLLM server: per-user rates against limits, an unthrottled user's speed alone and
-beside a throttled one, engine-core CPU while every user is parked, and (with
-``--compare-upstream``) unthrottled throughput with pacing on vs off.
+"""The seed article's measurement (README, "Benchmarks"), side by side in one run, on
+a real local vLLM server: per-user rates against limits, an unthrottled user's speed
+alone and beside a throttled one, engine-core CPU while every user is parked, and
+(with ``--compare-upstream``) unthrottled throughput with pacing on vs off.
 
 ``python -m benchmarks.article_measurement [--server-arg=--async-scheduling]``
 """

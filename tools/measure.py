@@ -1,6 +1,6 @@
 """Client-side measurement of per-user output rates against an OpenAI-compatible
 server: concurrent streams, exact token counts from ``continuous_usage_stats``,
-rate = tokens over the span from a user's first to last token (the article's
+rate = tokens over the span from a user's first to last token (the seed article's
 definition), and the limiter's ceiling over a window the client knows holds every
 charge.
 
@@ -63,7 +63,7 @@ class UserRate:
 
     @property
     def tokens_per_s(self) -> float:
-        """N over the first-to-last span (the article's rate)."""
+        """N over the first-to-last span (the seed article's definition of a rate)."""
         return self.tokens / self.span_s if self.span_s > 0 else float("inf")
 
     @property
@@ -169,7 +169,7 @@ def most_tokens(limits: Sequence[tuple[float, int]], until: float) -> float:
     force when the last token was charged, plus one (a limit change keeps the
     user's token debt, so it grants no fresh burst). Where that last charge fell is
     not known, so the largest value over every place is taken. With one limit it is
-    SPEC §3's ``(W + burst) * limit + 1``.
+    the limiter's guarantee ``(W + burst) * limit + 1`` (README, "How it works").
     """
     earned, ceiling = 0.0, -math.inf
     for i, (start, rate) in enumerate(limits):
