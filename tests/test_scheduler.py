@@ -20,23 +20,13 @@ from engine_ext.scheduler import (
     scheduler_class_for,
 )
 from tools.fake_clock import FakeClock
+from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import (
     Driver,
     make_request,
     make_scheduler,
 )
-
-MODES = pytest.mark.parametrize(
-    "async_scheduling", [False, True], ids=["sync", "async"]
-)
-
-
-def setup(tiny_model_dir, async_scheduling, **kwargs):
-    clock = FakeClock()
-    scheduler = make_scheduler(
-        tiny_model_dir, async_scheduling=async_scheduling, clock=clock, **kwargs
-    )
-    return scheduler, Driver(scheduler, clock)
+from tools.scheduler_harness import driven_scheduler as setup
 
 
 class CountingLimiter(OutputRateLimiter):

@@ -10,20 +10,9 @@ import random
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tools.fake_clock import FakeClock
-from tools.scheduler_harness import Driver, make_request, make_scheduler
-
-MODES = pytest.mark.parametrize(
-    "async_scheduling", [False, True], ids=["sync", "async"]
-)
-
-
-def setup(tiny_model_dir, async_scheduling, **kwargs):
-    clock = FakeClock()
-    scheduler = make_scheduler(
-        tiny_model_dir, async_scheduling=async_scheduling, clock=clock, **kwargs
-    )
-    return scheduler, Driver(scheduler, clock)
+from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
+from tools.scheduler_harness import Driver, make_request
+from tools.scheduler_harness import driven_scheduler as setup
 
 
 def fill_slots_with_parked(driver: Driver, scheduler, user: str, count: int):

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from vllm.config import (
     CacheConfig,
@@ -109,6 +110,24 @@ def make_scheduler(
     if clock is not None:
         scheduler.clock = clock
     return scheduler
+
+
+#: Runs a test once with vLLM's ``Scheduler`` and once with ``AsyncScheduler``.
+SYNC_AND_ASYNC = pytest.mark.parametrize(
+    "async_scheduling", [False, True], ids=["sync", "async"]
+)
+
+
+def driven_scheduler(
+    model_dir: str, async_scheduling: bool, **kwargs
+) -> tuple[OutputRateScheduler, Driver]:
+    """A paced scheduler on a fake clock (see ``make_scheduler``) and the
+    ``Driver`` that steps it."""
+    clock = FakeClock()
+    scheduler = make_scheduler(
+        model_dir, async_scheduling=async_scheduling, clock=clock, **kwargs
+    )
+    return scheduler, Driver(scheduler, clock)
 
 
 _ids = itertools.count()
