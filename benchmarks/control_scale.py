@@ -17,9 +17,9 @@ import grpc
 
 from control.server import create_server
 from control.service import MOST_THROTTLED_FIRST, LimitsService
-from control.shared_limiter import SharedLimiter
-from engine_ext.accounting import Accounting
-from engine_ext.limiter import OutputRateLimiter
+from pacing.accounting import Accounting
+from pacing.limiter import OutputRateLimiter
+from pacing.shared import SharedLimiter
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 

@@ -4,7 +4,7 @@ Exit status: 0 success, 1 the server (or a local check of an import file)
 refused the request, the status code name printed to stderr, 2 usage errors.
 Every argument is checked before anything is sent (numbers against the range
 the proto field holds and the server accepts, user ids by the one rule of
-``engine_ext.identity.validate_user``); each error is reported in one line on
+``pacing.identity.validate_user``); each error is reported in one line on
 stderr.
 """
 
@@ -33,8 +33,8 @@ from control.service import (
 )
 from control.settings import DEFAULT_ADDRESS, TOKEN_ENV
 from control.table import TableDocument, dumps, format_of, loads
-from engine_ext.identity import validate_user
-from engine_ext.limiter import MAX_RATE
+from pacing.identity import validate_user
+from pacing.limiter import MAX_RATE
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
@@ -73,7 +73,10 @@ class _Client:
         )
 
     def stream(self, method: str, request: Any) -> Iterator[Any]:
-        return getattr(self.stub, method)(request, metadata=self._metadata)
+        responses: Iterator[Any] = getattr(self.stub, method)(
+            request, metadata=self._metadata
+        )
+        return responses
 
     def pages(self, method: str, request: Any, field: str) -> Iterator[Any]:
         """Every item of a paginated list, page after page."""
@@ -95,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _channel(args) as channel:
             client = _Client(channel, args.token, args.timeout)
-            return args.run(client, args, sys.stdout)
+            run: Callable[[_Client, argparse.Namespace, TextIO], int] = args.run
+            return run(client, args, sys.stdout)
     except grpc.RpcError as exc:
         _print_error(f"error: {exc.code().name}: {exc.details()}")
         return EXIT_FAILED
@@ -208,7 +212,7 @@ def _state(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     request = _pb2.ListUserStatesRequest(
         order_by=args.order_by, page_size=min(args.top or 1000, 1000)
     )
-    states = []
+    states: list[dict[str, Any]] = []
     for state in client.pages("ListUserStates", request, "user_states"):
         if args.top and len(states) == args.top:
             break

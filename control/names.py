@@ -3,7 +3,7 @@ and the singletons ``defaultLimit`` and ``limitsTable``.
 
 The user id is everything after the collection prefix, verbatim: ids may contain
 ``/``, and escaping them would make names differ from the ids operators type. It
-must be valid by ``engine_ext.identity.validate_user``. Error messages show names
+must be valid by ``pacing.identity.validate_user``. Error messages show names
 through ``shown`` (bounded, escaped).
 """
 

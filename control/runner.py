@@ -2,7 +2,7 @@
 file, service, server, file watcher. The one place that does.
 
 How the scheduler (``engine_ext.scheduler``) runs it; ``shared`` is a
-``control.shared_limiter.SharedLimiter``::
+``pacing.shared.SharedLimiter``::
 
     # __init__, after the limiter and the accounting exist:
     self.output_rate_shared = SharedLimiter(
@@ -48,8 +48,8 @@ from control.persistence import (
 from control.server import ControlServer, create_server
 from control.service import LimitsService
 from control.settings import ControlSettings
-from control.shared_limiter import SharedLimiter
 from control.table import TableDocument
+from pacing.shared import SharedLimiter
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")

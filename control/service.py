@@ -2,7 +2,7 @@
 with its etag, per-user state reads, pagination.
 
 Every read and write goes through ``SharedLimiter.lock`` (see
-``control.shared_limiter``). Changes are also serialised among themselves by a
+``pacing.shared``). Changes are also serialised among themselves by a
 second lock, held while the new table is written to the config file; the
 scheduler never waits for that write, only for the in-memory apply. Order of a
 change: validate, write the new table (``persist``), apply it to the limiter and
@@ -29,7 +29,6 @@ from control.errors import (
     Unavailable,
 )
 from control.pagination import PageTokens
-from control.shared_limiter import COLUMNS, Reading, SharedLimiter, UserSnapshot
 from control.table import (
     MAX_EXPLICIT_LIMITS,
     TableDocument,
@@ -37,6 +36,7 @@ from control.table import (
     check_table_size,
     check_user,
 )
+from pacing.shared import COLUMNS, Reading, SharedLimiter, UserSnapshot
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000

@@ -14,7 +14,7 @@ from google.protobuf import empty_pb2 as _empty_pb2
 from control import names
 from control.errors import ResourceExhausted
 from control.service import Limit, LimitsService, LimitsTable
-from control.shared_limiter import UserSnapshot
+from pacing.shared import UserSnapshot
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
@@ -34,11 +34,15 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         self._watches: set[threading.Event] = set()
         self._stopping = False
 
-    def GetDefaultLimit(self, request, context):
+    def GetDefaultLimit(
+        self, request: _pb2.GetDefaultLimitRequest, context: grpc.ServicerContext
+    ) -> _pb2.DefaultLimit:
         rate = self._service.get_default_limit(request.name)
         return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, tokens_per_second=rate)
 
-    def UpdateDefaultLimit(self, request, context):
+    def UpdateDefaultLimit(
+        self, request: _pb2.UpdateDefaultLimitRequest, context: grpc.ServicerContext
+    ) -> _pb2.DefaultLimit:
         rate = self._service.update_default_limit(
             request.default_limit.name,
             request.default_limit.tokens_per_second,
@@ -46,23 +50,31 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         )
         return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, tokens_per_second=rate)
 
-    def GetLimit(self, request, context):
+    def GetLimit(
+        self, request: _pb2.GetLimitRequest, context: grpc.ServicerContext
+    ) -> _pb2.Limit:
         return _limit(self._service.get_limit(request.name))
 
-    def ListLimits(self, request, context):
+    def ListLimits(
+        self, request: _pb2.ListLimitsRequest, context: grpc.ServicerContext
+    ) -> _pb2.ListLimitsResponse:
         limits, token = self._service.list_limits(request.page_size, request.page_token)
         return _pb2.ListLimitsResponse(
             limits=[_limit(limit) for limit in limits], next_page_token=token
         )
 
-    def CreateLimit(self, request, context):
+    def CreateLimit(
+        self, request: _pb2.CreateLimitRequest, context: grpc.ServicerContext
+    ) -> _pb2.Limit:
         return _limit(
             self._service.create_limit(
                 request.limit_id, request.limit.tokens_per_second
             )
         )
 
-    def UpdateLimit(self, request, context):
+    def UpdateLimit(
+        self, request: _pb2.UpdateLimitRequest, context: grpc.ServicerContext
+    ) -> _pb2.Limit:
         return _limit(
             self._service.update_limit(
                 request.limit.name,
@@ -72,14 +84,20 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
             )
         )
 
-    def DeleteLimit(self, request, context):
+    def DeleteLimit(
+        self, request: _pb2.DeleteLimitRequest, context: grpc.ServicerContext
+    ) -> _empty_pb2.Empty:
         self._service.delete_limit(request.name, allow_missing=request.allow_missing)
         return _empty_pb2.Empty()
 
-    def GetLimitsTable(self, request, context):
+    def GetLimitsTable(
+        self, request: _pb2.GetLimitsTableRequest, context: grpc.ServicerContext
+    ) -> _pb2.LimitsTable:
         return _table(self._service.get_limits_table(request.name))
 
-    def ReplaceLimitsTable(self, request, context):
+    def ReplaceLimitsTable(
+        self, request: _pb2.ReplaceLimitsTableRequest, context: grpc.ServicerContext
+    ) -> _pb2.LimitsTable:
         table = request.limits_table
         return _table(
             self._service.replace_limits_table(
@@ -89,10 +107,14 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
             )
         )
 
-    def GetUserState(self, request, context):
+    def GetUserState(
+        self, request: _pb2.GetUserStateRequest, context: grpc.ServicerContext
+    ) -> _pb2.UserState:
         return _user_state(self._service.get_user_state(request.name))
 
-    def ListUserStates(self, request, context):
+    def ListUserStates(
+        self, request: _pb2.ListUserStatesRequest, context: grpc.ServicerContext
+    ) -> _pb2.ListUserStatesResponse:
         states, token = self._service.list_user_states(
             request.page_size, request.page_token, request.order_by
         )
@@ -101,7 +123,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         )
 
     def WatchUserStates(
-        self, request, context: grpc.ServicerContext
+        self, request: _pb2.WatchUserStatesRequest, context: grpc.ServicerContext
     ) -> Iterator[_pb2.WatchUserStatesResponse]:
         plan = self._service.plan_watch(
             request.interval.ToNanoseconds() if request.HasField("interval") else None,

@@ -11,7 +11,7 @@ Format (JSON shown; YAML is the same tree)::
 
 - ``default_tokens_per_second``: optional; an integer in 1..1000000.
 - ``users``: optional; user id -> integer tokens/s. User ids follow the one
-  rule of ``engine_ext.identity.validate_user`` (1..256 UTF-8 bytes of
+  rule of ``pacing.identity.validate_user`` (1..256 UTF-8 bytes of
   well-formed Unicode without control, format or separator characters).
 - ``etag``: optional; written by ``output-rate-ctl export`` so that ``import``
   fails when the table changed in between. The config file ignores it.
@@ -30,8 +30,8 @@ from typing import Any, Literal
 import yaml
 
 from control.errors import InvalidArgument
-from engine_ext.identity import validate_user
-from engine_ext.limiter import validate_rate
+from pacing.identity import validate_user
+from pacing.limiter import validate_rate
 
 #: Most explicit limits one table may hold: bounds memory, the size of one
 #: ``GetLimitsTable`` reply (about 27 MB at 256-byte ids) and of the config file.
@@ -189,7 +189,9 @@ class _UniqueKeySafeLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing duplicate mapping keys (it would keep the
     last one silently, hiding a typo'd table)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False):
+    def construct_mapping(
+        self, node: yaml.MappingNode, deep: bool = False
+    ) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)

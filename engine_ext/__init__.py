@@ -1,1 +1,2 @@
-"""vLLM adapter for per-user output-token pacing: limiter, scheduler, hooks."""
+"""vLLM adapter for per-user output-token pacing: scheduler mixin, hooks, HTTP
+guard, metrics transport."""

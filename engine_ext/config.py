@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_ext.identity import validate_user
-from engine_ext.limiter import validate_rate
+from pacing.identity import validate_user
+from pacing.limiter import validate_rate
 
 #: Key of our settings inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "output_rate"

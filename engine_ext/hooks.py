@@ -34,7 +34,7 @@ import queue
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_ext import idle_stats
 from engine_ext.config import (
@@ -46,8 +46,17 @@ from engine_ext.config import (
     flag_dest,
     parse_user_rates,
 )
-from engine_ext.limiter import validate_rate
 from engine_ext.supported import check_supported
+from pacing.limiter import validate_rate
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.output_processor import OutputProcessor
 
 #: Upper bound of one idle wait: lets the engine notice asynchronously-ready work
 #: (a compiled structured-output grammar, say) that does not arrive as input.
@@ -96,24 +105,25 @@ def _wrap(owner: type, name: str, wrapper: Callable[..., Any]) -> None:
         )
     if getattr(getattr(current, "__func__", current), _HOOKED, False):
         return
+    hooked: Callable[..., Any]  # one of three shapes, below
     if isinstance(current, staticmethod):
         original = current.__func__
 
-        def hooked(*args, **kwargs):
+        def hooked(*args: Any, **kwargs: Any) -> Any:
             return wrapper(original, *args, **kwargs)
 
         replacement: Any = staticmethod(hooked)
     elif isinstance(current, classmethod):
         original = current.__func__
 
-        def hooked(cls, *args, **kwargs):
+        def hooked(cls: type, *args: Any, **kwargs: Any) -> Any:
             return wrapper(functools.partial(original, cls), *args, **kwargs)
 
         replacement = classmethod(hooked)
     else:
         original = current
 
-        def hooked(self, *args, **kwargs):
+        def hooked(self: object, *args: Any, **kwargs: Any) -> Any:
             return wrapper(original, self, *args, **kwargs)
 
         replacement = hooked
@@ -142,7 +152,10 @@ def _user_rates_arg(raw: str) -> str:
     return raw
 
 
-def _add_cli_args(original, parser):
+def _add_cli_args(
+    original: Callable[[FlexibleArgumentParser], FlexibleArgumentParser],
+    parser: FlexibleArgumentParser,
+) -> FlexibleArgumentParser:
     from control import settings as control_settings
 
     parser = original(parser)
@@ -168,7 +181,9 @@ def _add_cli_args(original, parser):
     return parser
 
 
-def _from_cli_args(original, args: argparse.Namespace):
+def _from_cli_args(
+    original: Callable[[argparse.Namespace], EngineArgs], args: argparse.Namespace
+) -> EngineArgs:
     """Also checks every pacing and control-plane setting, in the process the
     operator started and before any model loads: a bad one ends the process like
     an argparse error (one line on stderr, exit code 2)."""
@@ -202,7 +217,12 @@ def _from_cli_args(original, args: argparse.Namespace):
     return engine_args
 
 
-def _create_engine_config(original, engine_args, *args, **kwargs):
+def _create_engine_config(
+    original: Callable[..., VllmConfig],
+    engine_args: EngineArgs,
+    *args: Any,
+    **kwargs: Any,
+) -> VllmConfig:
     vllm_config = original(engine_args, *args, **kwargs)
     config = OutputRateConfig.from_additional_config(vllm_config.additional_config)
     if config.enabled:
@@ -218,7 +238,9 @@ def _create_engine_config(original, engine_args, *args, **kwargs):
     return vllm_config
 
 
-def _enable_metrics_transport(vllm_config, usage_context) -> None:
+def _enable_metrics_transport(
+    vllm_config: VllmConfig, usage_context: UsageContext | None
+) -> None:
     """Lets the scheduler put its metrics into SchedulerStats, but only where our
     stat logger will take them out again (vLLM's own logging stat logger would
     crash on them)."""
@@ -237,20 +259,20 @@ def idle_wait_timeout_s(scheduler: object, now_ns: int) -> float | None:
     """How long the engine may block after a step that ran no model: until the
     earliest refused user has budget again, at most ``IDLE_WAIT_CAP_S``; ``None``
     when the scheduler is not waiting on the limiter."""
-    ready_ns = getattr(scheduler, "next_ready_ns", None)
+    ready_ns: int | None = getattr(scheduler, "next_ready_ns", None)
     if ready_ns is None:
         return None
     return min(IDLE_WAIT_CAP_S, max(0, ready_ns - now_ns) / 1e9)
 
 
-def _wake_engine(engine) -> None:
+def _wake_engine(engine: EngineCoreProc) -> None:
     """Ends an idle wait at once: vLLM's engine drops WAKEUP requests."""
     from vllm.v1.engine import EngineCoreRequestType
 
     engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
 
-def wait_for_input(engine, timeout_s: float) -> bool:
+def wait_for_input(engine: EngineCoreProc, timeout_s: float) -> bool:
     """Blocks on the engine's input queue for up to ``timeout_s``; a new request
     or an abort ends the wait at once and is handled. Returns whether one came."""
     try:
@@ -261,7 +283,9 @@ def wait_for_input(engine, timeout_s: float) -> bool:
     return True
 
 
-def _run_busy_loop(original, engine) -> None:
+def _run_busy_loop(
+    original: Callable[[EngineCoreProc], None], engine: EngineCoreProc
+) -> None:
     heartbeat = idle_stats.start_for(engine)
     try:
         original(engine)
@@ -270,14 +294,21 @@ def _run_busy_loop(original, engine) -> None:
             heartbeat.stop()
 
 
-def _handle_client_request(original, engine, request_type, request) -> None:
+def _handle_client_request(
+    original: Callable[[EngineCoreProc, EngineCoreRequestType, Any], None],
+    engine: EngineCoreProc,
+    request_type: EngineCoreRequestType,
+    request: Any,
+) -> None:
     if isinstance(request, idle_stats.HeartbeatMarker):
         request.heartbeat.serve(engine)
         return
     original(engine, request_type, request)
 
 
-def _process_engine_step(original, engine) -> bool:
+def _process_engine_step(
+    original: Callable[[EngineCoreProc], bool], engine: EngineCoreProc
+) -> bool:
     if getattr(engine.scheduler, "output_rate_needs_wake_binding", False):
         engine.scheduler.output_rate_needs_wake_binding = False
         engine.scheduler.bind_wake(functools.partial(_wake_engine, engine))
@@ -296,7 +327,13 @@ def _process_engine_step(original, engine) -> bool:
 # -- request tracing (API process) --------------------------------------------
 
 
-def _do_tracing(original, processor, engine_core_output, *args, **kwargs):
+def _do_tracing(
+    original: Callable[..., None],
+    processor: OutputProcessor,
+    engine_core_output: EngineCoreOutput,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
     from engine_ext.request_tracing import trace_request
 
     return trace_request(

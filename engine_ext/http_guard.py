@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -17,7 +17,10 @@ from pydantic import TypeAdapter, ValidationError
 # Starlette that moved it fails at import, not silently.
 from starlette._utils import get_route_path
 
-from engine_ext.identity import USER_FIELD, validate_user
+from pacing.identity import USER_FIELD, validate_user
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -117,7 +120,7 @@ def check_request_body(body: bytes, shape: BodyShape) -> Rejection | None:
     return None
 
 
-def _asks_for_beam_search(payload: dict) -> bool:
+def _asks_for_beam_search(payload: dict[str, Any]) -> bool:
     try:
         return _PYDANTIC_BOOL.validate_python(payload.get("use_beam_search", False))
     except ValidationError:
@@ -128,10 +131,10 @@ class OutputRateRequestGuard:
     """Buffers the body of POSTs to ``GUARDED_PATHS``, answers 400 for a bad one,
     and replays the body unchanged to the app otherwise."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         shape = (
             GUARDED_PATHS.get(get_route_path(scope))
             if scope["type"] == "http" and scope["method"] == "POST"
@@ -160,7 +163,7 @@ class OutputRateRequestGuard:
             return
         replayed = False
 
-        async def replay() -> dict:
+        async def replay() -> Message:
             nonlocal replayed
             if replayed:
                 return await receive()
@@ -170,10 +173,10 @@ class OutputRateRequestGuard:
         await self.app(scope, replay, send)
 
 
-async def _send_bad_request(send: Any, rejection: Rejection, shape: BodyShape) -> None:
+async def _send_bad_request(send: Send, rejection: Rejection, shape: BodyShape) -> None:
     """Answers 400 in the error format vLLM uses on that endpoint."""
     if shape.anthropic_errors:
-        error: dict = {
+        error: dict[str, Any] = {
             "type": "error",
             "error": {"type": "BadRequestError", "message": rejection.message},
         }

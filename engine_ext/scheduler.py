@@ -61,22 +61,24 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 from control.runner import ControlPlane, serve_from_additional_config
 from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
-from control.shared_limiter import SharedLimiter
 from engine_ext import stats_payload
-from engine_ext.accounting import Accounting
 from engine_ext.config import OutputRateConfig
-from engine_ext.identity import ANONYMOUS_USER, user_from_extra_args
-from engine_ext.limiter import OutputRateLimiter
 from engine_ext.request_tracing import with_throttle_headers
+from pacing.accounting import Accounting
+from pacing.identity import ANONYMOUS_USER, user_from_extra_args
+from pacing.limiter import OutputRateLimiter
+from pacing.shared import SharedLimiter
 
 # Under vLLM's logger so that its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -123,7 +125,15 @@ class _Step:
     needy_pending: set[str] = field(default_factory=set)
 
 
-class OutputRateSchedulerMixin:
+if TYPE_CHECKING:
+    # The mixin always precedes a Scheduler in the bases: this lets the type
+    # checker see the attributes and methods it uses and overrides.
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class OutputRateSchedulerMixin(_SchedulerBase):
     """Per-user GCRA pacing of sampled tokens; see the module docstring.
 
     Must precede a vLLM ``Scheduler`` class in the bases.
@@ -132,7 +142,7 @@ class OutputRateSchedulerMixin:
     #: Monotonic clock in ns; tests replace it on the instance.
     clock: Callable[[], int] = staticmethod(time.monotonic_ns)
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         config = OutputRateConfig.from_additional_config(
             self.vllm_config.additional_config
@@ -202,7 +212,9 @@ class OutputRateSchedulerMixin:
         if request.request_id not in self._user_of:
             self._user_of[request.request_id] = self._resolve_user(request)
 
-    def _free_request(self, request: Request, delay_free_blocks: bool = False):
+    def _free_request(
+        self, request: Request, delay_free_blocks: bool = False
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         self._user_of.pop(request.request_id, None)
         self._yielded.discard(request.request_id)
         throttling = self._throttling.pop(request.request_id, None)
@@ -236,7 +248,7 @@ class OutputRateSchedulerMixin:
 
     # -- the step ----------------------------------------------------------
 
-    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if not self.limiter.enabled:
             return super().schedule(*args, **kwargs)
         # The control plane reads and changes limits only between steps.
@@ -250,7 +262,7 @@ class OutputRateSchedulerMixin:
             self.output_rate_control = None
         super().shutdown()
 
-    def make_stats(self, *args, **kwargs):
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.output_rate_stats is not None:
             self.output_rate_payloads_built += 1
@@ -292,7 +304,7 @@ class OutputRateSchedulerMixin:
         """Lets control-plane changes end the engine's idle wait at once."""
         self.output_rate_shared.set_wake(wake)
 
-    def _paced_schedule(self, *args, **kwargs) -> SchedulerOutput:
+    def _paced_schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         step = self._step = _Step(now_ns=self.clock())
         persistent_order = list(self.running)
         self.running[:] = self._order_for_step(step)
@@ -336,7 +348,8 @@ class OutputRateSchedulerMixin:
                 ordered[index] = request
 
         counts: dict[str, tuple[int, int]] = {}
-        active, parked = [], []
+        active: list[Request] = []
+        parked: list[Request] = []
         for request in ordered:
             user = self.user_of(request)
             is_parked = not self._has_budget(step, user) and _next_step_samples(request)
@@ -616,7 +629,7 @@ class OutputRateSchedulerMixin:
             and (request.num_tokens - 1) % self.block_size == 0
         )
 
-    def _preempt_request(self, request: Request, *args, **kwargs) -> None:
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         step = self._step
         if step is not None:
             original = step.biased_arrival.pop(request.request_id, None)

@@ -23,7 +23,7 @@ their explicit limit exists, new ones are admitted in name order while room is l
 Encoding: the payload holds plain data only (dicts, lists, str, int, float, None)
 and every string in it encodes as strict UTF-8, because vLLM's msgpack encoder
 raises on anything else and that would end its output thread. User ids are
-validated at every entry point (``engine_ext.identity``); as a second line, a user
+validated at every entry point (``pacing.identity``); as a second line, a user
 whose id does not encode is never labelled (counted under ``OTHER_USER``) and an
 RPC method name that does not encode counts as ``OTHER_METHOD``.
 """
@@ -33,9 +33,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine_ext.accounting import Accounting, UserCounters
+from pacing.accounting import Accounting, UserCounters
+
+if TYPE_CHECKING:
+    from vllm.v1.metrics.stats import SchedulerStats
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -324,7 +327,7 @@ class PayloadBuilder:
                 self._labelled[user] = None
 
 
-def attach(scheduler_stats: Any, payload: dict[str, Any]) -> None:
+def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:
     """Puts ``payload`` into ``scheduler_stats`` (a vLLM ``SchedulerStats``) for
     the trip to the API process, keeping anything a KV connector put there."""
     carried = dict(scheduler_stats.kv_connector_stats or {})
@@ -332,7 +335,7 @@ def attach(scheduler_stats: Any, payload: dict[str, Any]) -> None:
     scheduler_stats.kv_connector_stats = carried
 
 
-def take_payload(scheduler_stats: Any) -> object | None:
+def take_payload(scheduler_stats: SchedulerStats | None) -> object | None:
     """Removes and returns the raw payload from ``scheduler_stats`` (``None`` if it
     carries none), leaving ``kv_connector_stats`` as it was before ``attach``."""
     if scheduler_stats is None:
@@ -340,7 +343,7 @@ def take_payload(scheduler_stats: Any) -> object | None:
     carried = scheduler_stats.kv_connector_stats
     if not carried or PAYLOAD_KEY not in carried:
         return None
-    raw = carried.pop(PAYLOAD_KEY)
+    raw: object = carried.pop(PAYLOAD_KEY)
     if not carried:
         scheduler_stats.kv_connector_stats = None
     return raw
@@ -472,7 +475,9 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _positive_deltas(now: Mapping[Any, int], before: Mapping[Any, int]) -> dict:
+def _positive_deltas(
+    now: Mapping[Any, int], before: Mapping[Any, int]
+) -> dict[Any, int]:
     return {
         key: value - before.get(key, 0)
         for key, value in now.items()

@@ -12,9 +12,9 @@ import grpc
 
 from control.server import ControlServer, TlsConfig, create_server
 from control.service import LimitsService
-from control.shared_limiter import RequestCounts, SharedLimiter
-from engine_ext.accounting import Accounting
-from engine_ext.limiter import OutputRateLimiter
+from pacing.accounting import Accounting
+from pacing.limiter import OutputRateLimiter
+from pacing.shared import RequestCounts, SharedLimiter
 from protos.outputrate.v1 import output_rate_pb2_grpc
 from tools.fake_clock import FakeClock
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from control.service import MOST_THROTTLED_FIRST, LimitsService
-from control.shared_limiter import Reading
+from pacing.shared import Reading
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 

@@ -24,7 +24,7 @@ from engine_ext.http_guard import (
     OutputRateRequestGuard,
     check_request_body,
 )
-from engine_ext.identity import validate_user
+from pacing.identity import validate_user
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
 

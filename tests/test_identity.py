@@ -1,4 +1,4 @@
-"""The one rule for a valid user id (``engine_ext.identity.validate_user``), and
+"""The one rule for a valid user id (``pacing.identity.validate_user``), and
 proof that every entry point applies it: the limits file, the flags, the gRPC
 control plane (a real server) and offline requests. The HTTP guard's own tests
 are in test_http_guard.py and test_e2e_server.py."""
@@ -20,7 +20,7 @@ from control.service import LimitsService
 from control.table import loads, shown
 from engine_ext.config import OutputRateConfig, OutputRateConfigError
 from engine_ext.http_guard import GUARDED_PATHS, check_request_body
-from engine_ext.identity import (
+from pacing.identity import (
     ANONYMOUS_USER,
     MAX_USER_BYTES,
     USER_FIELD,

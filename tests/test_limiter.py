@@ -1,4 +1,4 @@
-"""Tests for ``engine_ext.limiter.OutputRateLimiter`` (pure GCRA, injected clock).
+"""Tests for ``pacing.limiter.OutputRateLimiter`` (pure GCRA, injected clock).
 
 Two styles, after golang.org/x/time/rate and redis-cell:
 
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_ext.limiter import (
+from pacing.limiter import (
     DEFAULT_BURST_NS,
     MAX_RATE,
     NS_PER_S,

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine_ext.limiter import NS_PER_S, OutputRateLimiter
+from pacing.limiter import NS_PER_S, OutputRateLimiter
 from tools.measure import (
     Bracketed,
     StreamResult,

@@ -26,7 +26,6 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from engine_ext import metrics
-from engine_ext.accounting import Accounting
 from engine_ext.scheduler import OutputRateScheduler
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
@@ -37,6 +36,7 @@ from engine_ext.stats_payload import (
     PayloadBuilder,
     attach,
 )
+from pacing.accounting import Accounting
 from tools.scheduler_harness import make_scheduler
 
 MODEL = "tiny-output-rate"

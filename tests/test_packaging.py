@@ -1,5 +1,5 @@
-"""The wheel holds only what runs in production: ``engine_ext``, ``control`` and
-``protos``, never the development tools, tests or benchmarks."""
+"""The wheel holds only what runs in production: ``pacing``, ``engine_ext``,
+``control`` and ``protos``, never the development tools, tests or benchmarks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNTIME_PACKAGES = {"engine_ext", "control", "protos"}
+RUNTIME_PACKAGES = {"pacing", "engine_ext", "control", "protos"}
 DEV_MODULES = {
     "demo",
     "tiny_model",

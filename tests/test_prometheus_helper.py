@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from engine_ext.accounting import Accounting
 from engine_ext.metrics import OutputRateMetrics
 from engine_ext.stats_payload import PayloadBuilder, parse
+from pacing.accounting import Accounting
 from tests.e2e_prometheus import PrometheusError, PrometheusServer
 from tests.prometheus_tools import require_binary
 

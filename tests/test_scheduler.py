@@ -13,12 +13,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
-from engine_ext.limiter import OutputRateLimiter
 from engine_ext.scheduler import (
     OutputRateAsyncScheduler,
     OutputRateScheduler,
     scheduler_class_for,
 )
+from pacing.limiter import OutputRateLimiter
 from tools.fake_clock import FakeClock
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import (

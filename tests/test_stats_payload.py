@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_ext.accounting import Accounting
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     DEFAULT_MAX_LABELLED_USERS,
@@ -33,6 +32,7 @@ from engine_ext.stats_payload import (
     parse,
     take_payload,
 )
+from pacing.accounting import Accounting
 
 #: Prefix of the control plane's full RPC method names.
 CONTROL = "/outputrate.v1.OutputRateControl/"

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from engine_ext.identity import USER_FIELD
-from engine_ext.limiter import DEFAULT_BURST_NS
+from pacing.identity import USER_FIELD
+from pacing.limiter import DEFAULT_BURST_NS
 
 #: The server's GCRA burst (delay variation tolerance) in seconds.
 BURST_S = DEFAULT_BURST_NS / 1e9

@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
-from control.recent_rate import NS_PER_S, RecentRates
-from engine_ext.accounting import Accounting, UserCounters
-from engine_ext.limiter import OutputRateLimiter
+from pacing.accounting import Accounting, UserCounters
+from pacing.limiter import OutputRateLimiter
+from pacing.recent_rate import NS_PER_S, RecentRates
 
 #: ``request_counts()`` result: user -> (running requests, throttled requests).
 RequestCounts = Mapping[str, tuple[int, int]]
