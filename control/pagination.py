@@ -62,7 +62,8 @@ class PageTokens:
                 "page_token belongs to a request with other parameters (such as "
                 "order_by); repeat the request that returned it"
             )
-        return content["p"]
+        position: list[Any] = content["p"]
+        return position
 
     def _mac(self, payload: bytes) -> bytes:
         return hmac.new(self._key, payload, hashlib.sha256).digest()[:_MAC_BYTES]

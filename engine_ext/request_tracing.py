@@ -9,8 +9,8 @@ which sets them as attributes of the ``llm_request`` span as it starts.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -24,6 +24,8 @@ SECONDS_HEADER = "x-output-rate-throttled-seconds"
 STEPS_ATTRIBUTE = "vllm.output_rate.throttled_steps"
 SECONDS_ATTRIBUTE = "vllm.output_rate.throttled_seconds"
 REQUEST_SPAN = "llm_request"
+
+_T = TypeVar("_T")
 
 _pending: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "output_rate_span_attributes", default=None
@@ -64,7 +66,9 @@ _processor = ThrottleSpanProcessor()
 _registered_on: list[object] = []
 
 
-def trace_request(create_span, trace_headers: Mapping[str, str] | None) -> Any:
+def trace_request(
+    create_span: Callable[[], _T], trace_headers: Mapping[str, str] | None
+) -> _T:
     """Runs ``create_span()`` (vLLM's span creation for one finished request)
     with the request's throttle attributes pending for ``ThrottleSpanProcessor``."""
     attributes = throttle_attributes(trace_headers)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
+#: A method handler of any message types (grpc's class is generic only in its stubs).
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 #: A servicer method: ``(request or request iterator, context) -> response``.
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
 #: A servicer method returning an iterator of responses (server streaming).
@@ -27,13 +29,15 @@ class Call:
         """The status the call ends with so far (OK unless set)."""
         if self.cancelled:
             return grpc.StatusCode.CANCELLED
-        return self.context.code() or grpc.StatusCode.OK
+        # ServicerContext.code() exists since grpcio 1.38; the stubs lack it.
+        code = self.context.code()  # type: ignore[attr-defined]
+        return code or grpc.StatusCode.OK
 
 
 def around_calls(
-    handler: grpc.RpcMethodHandler,
+    handler: Handler,
     around: Callable[[Call], AbstractContextManager[object]],
-) -> grpc.RpcMethodHandler:
+) -> Handler:
     """A copy of ``handler`` that runs each call of the servicer method inside
     ``around(call)``: entered before the method runs, left when the call ends,
     with the method's exception if it raised."""
@@ -61,11 +65,11 @@ def around_calls(
 
 
 def wrap_handler(
-    handler: grpc.RpcMethodHandler,
+    handler: Handler,
     *,
     unary: Callable[[Behavior], Behavior],
     streaming: Callable[[StreamBehavior], StreamBehavior],
-) -> grpc.RpcMethodHandler:
+) -> Handler:
     """A copy of ``handler`` whose behaviour is wrapped by ``unary`` (single
     response) or ``streaming`` (response stream), whichever kind it is."""
     codec = {
@@ -82,6 +86,7 @@ def wrap_handler(
         return grpc.stream_unary_rpc_method_handler(
             unary(handler.stream_unary), **codec
         )
+    assert handler.stream_stream is not None  # the only kind left
     return grpc.stream_stream_rpc_method_handler(
         streaming(handler.stream_stream), **codec
     )

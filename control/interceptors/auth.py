@@ -10,7 +10,12 @@ from typing import Any
 import grpc
 
 from control.errors import Unauthenticated
-from control.interceptors._handlers import Behavior, StreamBehavior, wrap_handler
+from control.interceptors._handlers import (
+    Behavior,
+    Handler,
+    StreamBehavior,
+    wrap_handler,
+)
 
 #: Health checks stay open: probes (kubelet, load balancers) carry no token.
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -30,9 +35,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if (
             handler is None

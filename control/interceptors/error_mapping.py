@@ -11,7 +11,7 @@ from typing import NoReturn
 import grpc
 
 from control.errors import ControlError
-from control.interceptors._handlers import Call, around_calls
+from control.interceptors._handlers import Call, Handler, around_calls
 from control.rpc_counts import RpcCounts
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -28,9 +28,9 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None  # grpc answers UNIMPLEMENTED; not counted (unbounded keys)

@@ -9,7 +9,7 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from control.interceptors._handlers import Call, around_calls
+from control.interceptors._handlers import Call, Handler, around_calls
 
 #: Codes that mean the server failed (OTel marks only these server spans as
 #: errors; INVALID_ARGUMENT and the like are the client's).
@@ -35,9 +35,9 @@ class TracingInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
