@@ -31,10 +31,10 @@ from control.service import (
     MIN_WATCH_INTERVAL_NS,
     MOST_THROTTLED_FIRST,
 )
-from control.settings import DEFAULT_ADDRESS, TOKEN_ENV
 from control.table import TableDocument, dumps, format_of, loads
 from pacing.identity import validate_user
 from pacing.limiter import MAX_RATE
+from pacing.settings import DEFAULT_ADDRESS, TOKEN_ENV
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 

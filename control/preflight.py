@@ -11,22 +11,23 @@ from __future__ import annotations
 import os
 import socket
 
+from control import secrets
 from control.errors import InvalidArgument
 from control.persistence import ConfigFile
 from control.server import BindRefused, check_authenticated
-from control.settings import (
+from pacing.settings import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
     TLS_CLIENT_CA_FLAG,
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
     ControlSettings,
-    ControlSettingsError,
+    SettingsError,
 )
 
 
 def check(settings: ControlSettings) -> None:
-    """Raises ControlSettingsError, naming the flag and the cause, for the first
+    """Raises SettingsError, naming the flag and the cause, for the first
     setting the control plane would fail on at start: token or TLS files that
     cannot be read (or an empty token file), a non-loopback address without a
     token or mTLS, a limits file that is not a readable, valid table (or, when
@@ -36,10 +37,12 @@ def check(settings: ControlSettings) -> None:
         return
     try:
         check_authenticated(
-            settings.address, auth_token=settings.auth_token(), tls=settings.tls()
+            settings.address,
+            auth_token=secrets.auth_token(settings),
+            tls=secrets.tls(settings),
         )
     except BindRefused as exc:
-        raise ControlSettingsError(
+        raise SettingsError(
             f"{ADDRESS_FLAG}: {exc} ({TOKEN_FILE_FLAG} or ${TOKEN_ENV} sets a "
             f"token, {TLS_CLIENT_CA_FLAG} mTLS)"
         ) from None
@@ -49,7 +52,7 @@ def check(settings: ControlSettings) -> None:
 
 
 def check_config_file(path: str) -> None:
-    """Raises ControlSettingsError unless ``path`` holds a valid limits table or
+    """Raises SettingsError unless ``path`` holds a valid limits table or
     is missing in a writable directory (the control plane then creates it from
     the flags)."""
     try:
@@ -57,25 +60,25 @@ def check_config_file(path: str) -> None:
         if file.load() is not None:
             return
     except InvalidArgument as exc:
-        raise ControlSettingsError(f"{CONFIG_FLAG}: {exc}") from None
+        raise SettingsError(f"{CONFIG_FLAG}: {exc}") from None
     except OSError as exc:
-        raise ControlSettingsError(f"{CONFIG_FLAG} {path}: {exc.strerror}") from None
+        raise SettingsError(f"{CONFIG_FLAG} {path}: {exc.strerror}") from None
     # Where ConfigFile.write will put it: through a symlink, at its target.
     directory = file.path.resolve().parent
     if not directory.is_dir():
-        raise ControlSettingsError(
+        raise SettingsError(
             f"{CONFIG_FLAG} {path}: the file is missing and its directory "
             f"{directory} does not exist, so it cannot be created"
         )
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ControlSettingsError(
+        raise SettingsError(
             f"{CONFIG_FLAG} {path}: the file is missing and its directory "
             f"{directory} is not writable, so it cannot be created"
         )
 
 
 def check_port_free(address: str) -> None:
-    """Raises ControlSettingsError unless a listening socket can be bound to
+    """Raises SettingsError unless a listening socket can be bound to
     ``address`` (``host:port``) on at least one address its host resolves to,
     as gRPC binds: ``SO_REUSEADDR`` on, ``SO_REUSEPORT`` off. The socket is
     closed again at once. Unix-socket addresses and port 0 are not checked (gRPC
@@ -88,7 +91,7 @@ def check_port_free(address: str) -> None:
     except ValueError:
         port = -1
     if not 0 <= port <= 65535:
-        raise ControlSettingsError(
+        raise SettingsError(
             f"{ADDRESS_FLAG} {address}: expected HOST:PORT with a port in 0..65535"
         )
     if port == 0:
@@ -101,7 +104,7 @@ def check_port_free(address: str) -> None:
             flags=socket.AI_PASSIVE,
         )
     except socket.gaierror as exc:
-        raise ControlSettingsError(
+        raise SettingsError(
             f"{ADDRESS_FLAG} {address}: cannot resolve the host: {exc.strerror}"
         ) from None
     error: OSError | None = None
@@ -115,4 +118,4 @@ def check_port_free(address: str) -> None:
         except OSError as exc:
             error = exc
     reason = error.strerror if error is not None else "no address to bind"
-    raise ControlSettingsError(f"{ADDRESS_FLAG} {address}: cannot listen: {reason}")
+    raise SettingsError(f"{ADDRESS_FLAG} {address}: cannot listen: {reason}")

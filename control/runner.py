@@ -1,44 +1,24 @@
 """Wires the control plane together inside the engine-core process: config
 file, service, server, file watcher. The one place that does.
 
-How the scheduler (``engine_ext.scheduler``) runs it; ``shared`` is a
-``pacing.shared.SharedLimiter``::
-
-    # __init__, after the limiter and the accounting exist:
-    self.output_rate_shared = SharedLimiter(
-        self.limiter,
-        self.accounting,
-        lambda: self.clock(),
-        request_counts=lambda: self._request_counts,
-    )
-    self.output_rate_control = serve_from_additional_config(
-        self.output_rate_shared, self.vllm_config.additional_config
-    )
-
-    # schedule(): the whole step under the lock, ending with on_step
-    with self.output_rate_shared.lock:
-        output = self._paced_schedule(*args, **kwargs)
-
-    # shutdown(): before upstream's
-    if self.output_rate_control is not None:
-        self.output_rate_control.stop()
-
-and, once the engine exists (``EngineCoreProc``), the idle-wait wake-up, which
-``engine_ext.hooks`` binds at the engine's first step::
-
-    shared.set_wake(lambda: engine.input_queue.put_nowait(
-        (EngineCoreRequestType.WAKEUP, None)))
+``attach`` is what the scheduler calls once it exists, with pacing on, through
+the core's registration point (``pacing.attachments``; ``control.plugin``
+registers it). It returns the running ``ControlPlane``, which the scheduler
+stops at its shutdown, or ``None`` when the settings ask for none. From then
+on the control plane works on the ``pacing.shared.SharedLimiter`` it was given:
+the scheduler holds the facade's lock for each whole step, the control plane
+takes it for every read and write, and a change wakes an idle-waiting engine
+through the facade.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from opentelemetry import trace
 
+from control import secrets
 from control.persistence import (
     DEFAULT_POLL_INTERVAL_S,
     ConfigFile,
@@ -47,8 +27,8 @@ from control.persistence import (
 )
 from control.server import ControlServer, create_server
 from control.service import LimitsService
-from control.settings import ControlSettings
 from control.table import TableDocument
+from pacing.settings import ControlSettings, OutputRateSettings
 from pacing.shared import SharedLimiter
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -98,8 +78,8 @@ def serve(
     server, port = create_server(
         settings.address,
         service,
-        auth_token=settings.auth_token(),
-        tls=settings.tls(),
+        auth_token=secrets.auth_token(settings),
+        tls=secrets.tls(settings),
         tracer_provider=tracer_provider,
     )
     server.start()
@@ -112,12 +92,10 @@ def serve(
     return ControlPlane(service=service, server=server, port=port, watcher=watcher)
 
 
-def serve_from_additional_config(
-    shared: SharedLimiter, additional_config: Mapping[str, Any] | None
-) -> ControlPlane | None:
-    """``serve`` with the settings in ``additional_config``; ``None`` when the
-    control plane is switched off (address ``off``)."""
-    settings = ControlSettings.from_additional_config(additional_config)
-    if not settings.enabled:
+def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:
+    """``serve`` with ``settings.control``; ``None`` when the settings ask for no
+    control plane: no ``control`` section (an offline ``LLM`` without one) or
+    address ``off``."""
+    if settings.control is None or not settings.control.enabled:
         return None
-    return serve(shared, settings)
+    return serve(shared, settings.control)

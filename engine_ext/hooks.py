@@ -28,6 +28,7 @@ vLLM version breaks at start-up, not at the first throttled request.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import multiprocessing
 import queue
@@ -37,17 +38,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine_ext import idle_stats
-from engine_ext.config import (
-    ADDITIONAL_CONFIG_KEY,
-    DEFAULT_RATE_FLAG,
-    USER_RATES_FLAG,
-    OutputRateConfig,
-    OutputRateConfigError,
-    flag_dest,
-    parse_user_rates,
-)
 from engine_ext.supported import check_supported
-from pacing.limiter import validate_rate
+from pacing import settings
+from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings, SettingsError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -135,49 +128,17 @@ def _wrap(owner: type, name: str, wrapper: Callable[..., Any]) -> None:
 # -- command line -----------------------------------------------------------
 
 
-def _rate_arg(raw: str) -> int:
-    try:
-        return validate_rate(int(raw), field="value")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer (tokens per second), got {raw!r}: {exc}"
-        ) from None
-
-
-def _user_rates_arg(raw: str) -> str:
-    try:
-        OutputRateConfig(default_rate=1, user_rates=parse_user_rates(raw))
-    except OutputRateConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return raw
-
-
 def _add_cli_args(
     original: Callable[[FlexibleArgumentParser], FlexibleArgumentParser],
     parser: FlexibleArgumentParser,
 ) -> FlexibleArgumentParser:
-    from control import settings as control_settings
-
     parser = original(parser)
     group = parser.add_argument_group(
         "Per-user output pacing",
         "Cap each user's output tokens per second inside the scheduler (GCRA). "
         "The user is vllm_xargs.output_rate_user (default __anonymous__).",
     )
-    group.add_argument(
-        DEFAULT_RATE_FLAG,
-        type=_rate_arg,
-        default=None,
-        help="Enables pacing: output tokens/s shared by all requests of a user "
-        "without an explicit limit. Unset: the scheduler behaves as upstream.",
-    )
-    group.add_argument(
-        USER_RATES_FLAG,
-        type=_user_rates_arg,
-        default=None,
-        help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
-    )
-    control_settings.add_cli_args(group)
+    settings.add_cli_args(group)
     return parser
 
 
@@ -188,27 +149,21 @@ def _from_cli_args(
     operator started and before any model loads: a bad one ends the process like
     an argparse error (one line on stderr, exit code 2)."""
     from control import preflight
-    from control import settings as control_settings
 
     engine_args = original(args)
     try:
-        config = OutputRateConfig.from_flags(
-            getattr(args, flag_dest(DEFAULT_RATE_FLAG), None),
-            getattr(args, flag_dest(USER_RATES_FLAG), None),
-        )
-        if not config.enabled:
+        paced = OutputRateSettings.from_cli_args(args, engine_args.additional_config)
+        if not paced.enabled:
             return engine_args
-        control = control_settings.ControlSettings.from_cli_args(args)
         # API servers vLLM spawns (--api-server-count) get the checked args; the
         # engine core may already hold the port by the time they run.
-        if multiprocessing.parent_process() is None:
-            preflight.check(control)
-    except (OutputRateConfigError, control_settings.ControlSettingsError) as exc:
+        if multiprocessing.parent_process() is None and paced.control is not None:
+            preflight.check(paced.control)
+    except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     additional = dict(engine_args.additional_config or {})
-    additional[ADDITIONAL_CONFIG_KEY] = config.to_additional_config()
-    additional[control_settings.ADDITIONAL_CONFIG_KEY] = control.to_additional_config()
+    additional[ADDITIONAL_CONFIG_KEY] = paced.to_additional_config()
     engine_args.additional_config = additional
     middleware = getattr(args, "middleware", None)
     if isinstance(middleware, list) and HTTP_GUARD not in middleware:
@@ -224,13 +179,13 @@ def _create_engine_config(
     **kwargs: Any,
 ) -> VllmConfig:
     vllm_config = original(engine_args, *args, **kwargs)
-    config = OutputRateConfig.from_additional_config(vllm_config.additional_config)
-    if config.enabled:
+    paced = OutputRateSettings.from_additional_config(vllm_config.additional_config)
+    if paced.enabled:
         from engine_ext.scheduler import scheduler_class_for
 
         check_supported(vllm_config)
         usage_context = kwargs.get("usage_context", args[0] if args else None)
-        _enable_metrics_transport(vllm_config, usage_context)
+        _enable_metrics_transport(vllm_config, paced, usage_context)
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = scheduler_class_for(
             scheduler_config.async_scheduling
@@ -239,17 +194,21 @@ def _create_engine_config(
 
 
 def _enable_metrics_transport(
-    vllm_config: VllmConfig, usage_context: UsageContext | None
+    vllm_config: VllmConfig,
+    paced: OutputRateSettings,
+    usage_context: UsageContext | None,
 ) -> None:
     """Lets the scheduler put its metrics into SchedulerStats, but only where our
     stat logger will take them out again (vLLM's own logging stat logger would
     crash on them)."""
     from engine_ext.metrics import transport_enabled
-    from engine_ext.stats_payload import SETTINGS_KEY
 
     if transport_enabled(usage_context):
-        entry = dict(vllm_config.additional_config.get(SETTINGS_KEY) or {})
-        vllm_config.additional_config[SETTINGS_KEY] = {**entry, "emit": True}
+        metrics = dataclasses.replace(paced.metrics, emit=True)
+        paced = dataclasses.replace(paced, metrics=metrics)
+        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = (
+            paced.to_additional_config()
+        )
 
 
 # -- engine loop ------------------------------------------------------------

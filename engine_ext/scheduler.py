@@ -70,14 +70,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
-from control.runner import ControlPlane, serve_from_additional_config
-from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
+from control.runner import ControlPlane, attach
 from engine_ext import stats_payload
-from engine_ext.config import OutputRateConfig
 from engine_ext.request_tracing import with_throttle_headers
 from pacing.accounting import Accounting
 from pacing.identity import ANONYMOUS_USER, user_from_extra_args
 from pacing.limiter import OutputRateLimiter
+from pacing.settings import OutputRateSettings
 from pacing.shared import SharedLimiter
 
 # Under vLLM's logger so that its handlers, format and level apply.
@@ -144,10 +143,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        config = OutputRateConfig.from_additional_config(
+        settings = OutputRateSettings.from_additional_config(
             self.vllm_config.additional_config
         )
-        self.limiter = OutputRateLimiter(config.default_rate, dict(config.user_rates))
+        self.limiter = OutputRateLimiter(
+            settings.default_rate, dict(settings.user_rates)
+        )
         self._base_max_active = self.max_num_active_reqs
         self._user_of: dict[str, str] = {}
         self._last_served: dict[str, str] = {}  # user -> request id
@@ -176,9 +177,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: request tracing is on (they end up on the request's span).
         self._tracing = bool(self.vllm_config.observability_config.otlp_traces_endpoint)
         self._throttling: dict[str, _Throttling] = {}
-        metrics = stats_payload.MetricsSettings.from_additional_config(
-            self.vllm_config.additional_config
-        )
+        metrics = settings.metrics
         #: Builds the metrics payload carried to the API process in the step's
         #: SchedulerStats; None unless our stat logger is there to take it out.
         self.output_rate_stats = (
@@ -193,16 +192,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             logger.info(
                 "per-user output pacing on (%s): default %d tok/s, %d user limits",
                 type(self).__name__,
-                config.default_rate,
-                len(config.user_rates),
+                settings.default_rate,
+                len(settings.user_rates),
             )
-            # The CLI always configures a control plane (address "off" disables
-            # it); an offline LLM(additional_config=...) gets one only if asked.
-            additional = self.vllm_config.additional_config or {}
-            if CONTROL_CONFIG_KEY in additional:
-                self.output_rate_control = serve_from_additional_config(
-                    self.output_rate_shared, additional
-                )
+            self.output_rate_control = attach(self.output_rate_shared, settings)
             self.output_rate_needs_wake_binding = True
 
     # -- identity ----------------------------------------------------------

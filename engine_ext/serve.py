@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from engine_ext.config import OutputRateConfigError
     from engine_ext.plugin import register
+    from pacing.settings import SettingsError
 
     register()  # also when the package is not installed (no entry point)
     cli_env_setup()
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     validate_parsed_serve_args(args)
     try:
         ServeSubcommand.cmd(args)
-    except OutputRateConfigError as exc:
+    except SettingsError as exc:
         sys.exit(f"error: {exc}")
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pacing.accounting import Accounting, UserCounters
+from pacing.settings import DEFAULT_MAX_LABELLED_USERS
 
 if TYPE_CHECKING:
     from vllm.v1.metrics.stats import SchedulerStats
@@ -51,8 +52,6 @@ PAYLOAD_VERSION = 1
 OTHER_USER = "__other__"
 #: The ``user`` label value of the default limit in the limits gauge.
 DEFAULT_LIMIT_USER = "__default__"
-#: Default cap on users with their own ``user`` label.
-DEFAULT_MAX_LABELLED_USERS = 100
 #: Idle waits kept between two payloads. One payload is built per engine step and
 #: there is at most one idle wait per step, so this bounds memory only when
 #: payloads stop being collected (e.g. stats logging turned off).
@@ -87,12 +86,9 @@ _RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
 #: The per-user counters carried, in ``UserCounters`` field names.
 COUNTER_FIELDS = tuple(f.name for f in fields(UserCounters))
 
-#: Key of the metrics settings inside ``VllmConfig.additional_config``.
-SETTINGS_KEY = "output_rate_metrics"
-
 
 class PayloadError(ValueError):
-    """A payload or a metrics setting is malformed; the message names the field."""
+    """A payload is malformed; the message names the field."""
 
 
 class FailureLog:
@@ -117,60 +113,6 @@ class FailureLog:
                 self._what,
                 self.count,
             )
-
-
-# -- settings -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MetricsSettings:
-    """Whether the scheduler emits the payload, and the label cap.
-
-    ``emit`` must be true only when the API process will consume the payload
-    (our stat logger is loaded there), because vLLM's own logging stat logger
-    crashes on it otherwise.
-    """
-
-    emit: bool = False
-    max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.emit, bool):
-            raise PayloadError(f"{SETTINGS_KEY}.emit must be a boolean")
-        cap = self.max_labelled_users
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise PayloadError(
-                f"{SETTINGS_KEY}.max_labelled_users must be a non-negative "
-                f"integer, got {cap!r}"
-            )
-
-    @classmethod
-    def from_additional_config(
-        cls, additional_config: Mapping[str, Any] | None
-    ) -> MetricsSettings:
-        """Reads ``additional_config[SETTINGS_KEY]``; absent means defaults (and
-        not emitting)."""
-        entry = (additional_config or {}).get(SETTINGS_KEY)
-        if entry is None:
-            return cls()
-        if not isinstance(entry, Mapping):
-            raise PayloadError(f"additional_config[{SETTINGS_KEY!r}] must be an object")
-        unknown = set(entry) - {"emit", "max_labelled_users"}
-        if unknown:
-            raise PayloadError(
-                f"additional_config[{SETTINGS_KEY!r}] has unknown keys "
-                f"{sorted(unknown)}; expected emit, max_labelled_users"
-            )
-        return cls(
-            emit=entry.get("emit", False),
-            max_labelled_users=entry.get(
-                "max_labelled_users", DEFAULT_MAX_LABELLED_USERS
-            ),
-        )
-
-    def to_additional_config(self) -> dict[str, Any]:
-        """Our entry for ``additional_config`` (JSON-serialisable)."""
-        return {"emit": self.emit, "max_labelled_users": self.max_labelled_users}
 
 
 # -- control-plane counters ---------------------------------------------------

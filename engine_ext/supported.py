@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_ext.config import OutputRateConfigError
+from pacing.settings import SettingsError
 
 
 def check_supported(vllm_config: Any) -> None:
-    """Raises OutputRateConfigError for the first unsupported setting."""
+    """Raises SettingsError for the first unsupported setting."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     refusals = [
@@ -60,7 +60,7 @@ def check_supported(vllm_config: Any) -> None:
     ]
     for refused, reason in refusals:
         if refused:
-            raise OutputRateConfigError(
+            raise SettingsError(
                 f"per-user output pacing (--default-user-output-tokens-per-second) "
                 f"cannot run with {reason}"
             )

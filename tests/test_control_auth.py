@@ -14,9 +14,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control import secrets
 from control.server import BindRefused, TlsConfig, create_server, is_loopback
 from control.service import LimitsService
-from control.settings import ControlSettings, ControlSettingsError
+from pacing.settings import ControlSettings, SettingsError
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
 from tests.control_harness import make_rig, serving
@@ -87,15 +88,17 @@ def test_settings_read_the_token_from_a_file_then_the_environment(
     tmp_path, monkeypatch
 ):
     monkeypatch.setenv("OUTPUT_RATE_CONTROL_TOKEN", "from-env")
-    assert ControlSettings().auth_token() == "from-env"
+    assert secrets.auth_token(ControlSettings()) == "from-env"
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
-    assert ControlSettings(token_file=str(token_file)).auth_token() == "from-file"
+    assert secrets.auth_token(ControlSettings(token_file=str(token_file))) == (
+        "from-file"
+    )
     token_file.write_text("\n")
-    with pytest.raises(ControlSettingsError, match="is empty"):
-        ControlSettings(token_file=str(token_file)).auth_token()
+    with pytest.raises(SettingsError, match="is empty"):
+        secrets.auth_token(ControlSettings(token_file=str(token_file)))
     monkeypatch.delenv("OUTPUT_RATE_CONTROL_TOKEN")
-    assert ControlSettings().auth_token() is None
+    assert secrets.auth_token(ControlSettings()) is None
 
 
 # -- mTLS ----------------------------------------------------------------------
@@ -235,13 +238,13 @@ def test_settings_load_tls_files(tmp_path, pki):
         tls_key=str(tmp_path / "key"),
         tls_client_ca=str(tmp_path / "ca"),
     )
-    assert settings.tls() == _mtls(pki)
-    with pytest.raises(ControlSettingsError, match="must be given together"):
+    assert secrets.tls(settings) == _mtls(pki)
+    with pytest.raises(SettingsError, match="must be given together"):
         ControlSettings(tls_cert=str(tmp_path / "cert"))
-    with pytest.raises(ControlSettingsError, match="needs"):
+    with pytest.raises(SettingsError, match="needs"):
         ControlSettings(tls_client_ca=str(tmp_path / "ca"))
-    with pytest.raises(ControlSettingsError, match="missing"):
-        ControlSettings(tls_cert="missing", tls_key="missing").tls()
+    with pytest.raises(SettingsError, match="missing"):
+        secrets.tls(ControlSettings(tls_cert="missing", tls_key="missing"))
 
 
 # -- where the server may listen ---------------------------------------------

@@ -16,8 +16,8 @@ from control.errors import InvalidArgument
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start, merge
 from control.runner import serve
 from control.service import LimitsService
-from control.settings import ControlSettings
 from control.table import TableDocument
+from pacing.settings import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
 from tests.control_harness import make_rig, serving

@@ -1,9 +1,8 @@
-"""Wiring: flags, ``additional_config`` and starting the control plane the way
-the engine-core process does."""
+"""Wiring: starting the control plane from the settings the way the engine-core
+process does."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import grpc
@@ -11,57 +10,38 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control.errors import InvalidArgument
-from control.runner import serve, serve_from_additional_config
+from control.runner import attach, serve
 from control.server import BindRefused
-from control.settings import ControlSettings, ControlSettingsError, add_cli_args
+from pacing.settings import ControlSettings, OutputRateSettings
 from tests.control_harness import make_rig
-
-
-def test_flags_round_trip_through_additional_config(tmp_path):
-    parser = argparse.ArgumentParser()
-    add_cli_args(parser)
-    args = parser.parse_args(
-        [
-            "--output-rate-control-address",
-            "127.0.0.1:0",
-            "--user-output-rate-config",
-            str(tmp_path / "limits.yaml"),
-            "--output-rate-control-token-file",
-            "/run/secrets/token",
-        ]
-    )
-    settings = ControlSettings.from_cli_args(args)
-    additional = {"output_rate_control": settings.to_additional_config()}
-    json.dumps(additional)  # must survive vLLM's serialisation
-    assert ControlSettings.from_additional_config(additional) == settings
-    assert settings.token_file == "/run/secrets/token"
-
-
-def test_defaults_listen_on_loopback():
-    settings = ControlSettings.from_additional_config({})
-    assert settings.address == "127.0.0.1:50151"
-    assert settings.enabled
-
-
-def test_unknown_settings_are_refused():
-    with pytest.raises(ControlSettingsError, match="unknown keys"):
-        ControlSettings.from_additional_config({"output_rate_control": {"adress": "x"}})
 
 
 def test_off_runs_nothing():
     rig = make_rig(10)
-    config = {"output_rate_control": {"address": "off"}}
-    assert serve_from_additional_config(rig.shared, config) is None
+    config = {"output_rate": {"default_rate": 10, "control": {"address": "off"}}}
+    assert attach(rig.shared, OutputRateSettings.from_additional_config(config)) is None
 
 
-def test_serve_from_additional_config_is_serving(tmp_path):
+def test_without_a_control_section_nothing_runs():
+    # The offline LLM(additional_config=...) form gets a control plane only if
+    # it asks for one; the flags always ask (address "off" declines).
+    rig = make_rig(10)
+    config = {"output_rate": {"default_rate": 10}}
+    assert attach(rig.shared, OutputRateSettings.from_additional_config(config)) is None
+
+
+def test_attach_from_additional_config_is_serving(tmp_path):
     rig = make_rig(10, {"alice": 5})
     path = tmp_path / "limits.json"
     path.write_text('{"users": {"alice": 50}}')
     config = {
-        "output_rate_control": {"address": "127.0.0.1:0", "config_path": str(path)}
+        "output_rate": {
+            "default_rate": 10,
+            "control": {"address": "127.0.0.1:0", "config_path": str(path)},
+        }
     }
-    plane = serve_from_additional_config(rig.shared, config)
+    plane = attach(rig.shared, OutputRateSettings.from_additional_config(config))
+    assert plane is not None
     try:
         assert rig.limiter.rate_of("alice") == 50  # the file won
         channel = grpc.insecure_channel(f"127.0.0.1:{plane.port}")

@@ -16,7 +16,6 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from control.settings import ADDITIONAL_CONFIG_KEY as CONTROL_CONFIG_KEY
 from engine_ext import hooks, idle_stats, stats_payload
 from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateScheduler
@@ -158,10 +157,10 @@ def emitting_scheduler(tiny_model_dir, control: dict | None = None):
     settings)."""
 
     def build(**kwargs):
-        additional = kwargs["vllm_config"].additional_config
-        additional[stats_payload.SETTINGS_KEY] = {"emit": True}
+        entry = kwargs["vllm_config"].additional_config["output_rate"]
+        entry["metrics"] = {"emit": True}
         if control is not None:
-            additional[CONTROL_CONFIG_KEY] = control
+            entry["control"] = control
         return OutputRateScheduler(**{**kwargs, "log_stats": True})
 
     scheduler = make_scheduler(

@@ -18,7 +18,6 @@ from control.errors import InvalidArgument
 from control.persistence import ConfigFile
 from control.service import LimitsService
 from control.table import loads, shown
-from engine_ext.config import OutputRateConfig, OutputRateConfigError
 from engine_ext.http_guard import GUARDED_PATHS, check_request_body
 from pacing.identity import (
     ANONYMOUS_USER,
@@ -27,6 +26,7 @@ from pacing.identity import (
     user_from_extra_args,
     validate_user,
 )
+from pacing.settings import OutputRateSettings, SettingsError, parse_user_rates
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 
@@ -195,10 +195,13 @@ def test_a_huge_bad_id_in_the_file_is_not_echoed():
 
 @BAD_IDS
 def test_the_flags_refuse_the_id(user, message):
-    with pytest.raises(OutputRateConfigError, match=message):
-        OutputRateConfig(default_rate=1000, user_rates={"slow": 5, user: 3})
-    with pytest.raises(OutputRateConfigError, match=message):
-        OutputRateConfig.from_flags(1000, json.dumps({"slow": 5, user: 3}))
+    with pytest.raises(SettingsError, match=message):
+        OutputRateSettings(default_rate=1000, user_rates={"slow": 5, user: 3})
+    with pytest.raises(SettingsError, match=message):
+        OutputRateSettings(
+            default_rate=1000,
+            user_rates=parse_user_rates(json.dumps({"slow": 5, user: 3})),
+        )
 
 
 @BAD_IDS

@@ -31,7 +31,6 @@ from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_USER,
     PAYLOAD_KEY,
-    SETTINGS_KEY,
     ControlPlaneSnapshot,
     PayloadBuilder,
     attach,
@@ -225,7 +224,7 @@ def test_a_malformed_payload_is_dropped_and_still_removed(
     registry = CollectorRegistry()
     plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
     stats = engine_step({"v": 999})
-    with caplog.at_level(logging.WARNING, logger="engine_ext.metrics"):
+    with caplog.at_level(logging.WARNING, logger="vllm.engine_ext.metrics"):
         plugin.record(stats, None)
         plugin.record(engine_step({"v": 999}), None)
     assert stats.kv_connector_stats is None
@@ -342,7 +341,8 @@ class _StatsScheduler(OutputRateScheduler):
     """The real scheduler as the API server runs it: stats on, payload emitted."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs["vllm_config"].additional_config[SETTINGS_KEY] = {"emit": True}
+        entry = kwargs["vllm_config"].additional_config["output_rate"]
+        entry["metrics"] = {"emit": True}
         kwargs["log_stats"] = True
         super().__init__(*args, **kwargs)
 

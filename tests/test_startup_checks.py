@@ -20,16 +20,16 @@ from control import preflight
 from control.errors import InvalidArgument
 from control.runner import serve
 from control.server import BindRefused
-from control.settings import (
+from engine_ext.plugin import register
+from pacing.settings import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
     TLS_CERT_FLAG,
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
     ControlSettings,
-    ControlSettingsError,
+    SettingsError,
 )
-from engine_ext.plugin import register
 from tests.control_harness import make_rig
 
 register()
@@ -58,7 +58,7 @@ def _write(path: Path, text: str) -> str:
 
 
 def _refusal(settings: ControlSettings) -> str:
-    with pytest.raises(ControlSettingsError) as error:
+    with pytest.raises(SettingsError) as error:
         preflight.check(settings)
     return str(error.value)
 
@@ -180,7 +180,7 @@ def test_nothing_is_checked_when_the_control_plane_is_off(tmp_path):
         ("directory", IsADirectoryError),
         ("bad json", InvalidArgument),
         ("public", BindRefused),
-        ("empty token", ControlSettingsError),
+        ("empty token", SettingsError),
     ],
 )
 def test_the_engine_side_refuses_what_the_preflight_refuses(
@@ -199,7 +199,7 @@ def test_the_engine_side_refuses_what_the_preflight_refuses(
             address="127.0.0.1:0", token_file=_write(tmp_path / "token", "")
         ),
     }[case]
-    with pytest.raises(ControlSettingsError):
+    with pytest.raises(SettingsError):
         preflight.check(settings)
     with pytest.raises(engine_error):
         serve(make_rig(10).shared, settings).stop(0)
@@ -234,7 +234,7 @@ def test_the_hook_checks_nothing_without_pacing(tmp_path):
         ["m", "--output-rate-control-token-file", str(tmp_path / "token")]
     )
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    assert "output_rate_control" not in (engine_args.additional_config or {})
+    assert "output_rate" not in (engine_args.additional_config or {})
 
 
 # -- a real start, one case per family -------------------------------------------

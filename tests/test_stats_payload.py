@@ -17,15 +17,12 @@ from hypothesis import strategies as st
 
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
-    DEFAULT_MAX_LABELLED_USERS,
     MAX_PENDING_IDLE_WAITS,
     OTHER_METHOD,
     OTHER_USER,
     PAYLOAD_KEY,
-    SETTINGS_KEY,
     ControlPlaneSnapshot,
     FailureLog,
-    MetricsSettings,
     PayloadBuilder,
     PayloadError,
     attach,
@@ -33,6 +30,7 @@ from engine_ext.stats_payload import (
     take_payload,
 )
 from pacing.accounting import Accounting
+from pacing.settings import DEFAULT_MAX_LABELLED_USERS
 
 #: Prefix of the control plane's full RPC method names.
 CONTROL = "/outputrate.v1.OutputRateControl/"
@@ -383,31 +381,3 @@ def test_parse_rejects_malformed_payloads_naming_the_field(mutate, message) -> N
 def test_parse_rejects_a_non_object() -> None:
     with pytest.raises(PayloadError, match="must be an object"):
         parse([1, 2])
-
-
-def test_settings_default_to_not_emitting_with_the_default_cap() -> None:
-    assert MetricsSettings.from_additional_config(None) == MetricsSettings(
-        emit=False, max_labelled_users=DEFAULT_MAX_LABELLED_USERS
-    )
-    settings_ = MetricsSettings(emit=True, max_labelled_users=7)
-    assert (
-        MetricsSettings.from_additional_config(
-            {SETTINGS_KEY: settings_.to_additional_config()}
-        )
-        == settings_
-    )
-
-
-@pytest.mark.parametrize(
-    ("entry", "message"),
-    [
-        ([], "must be an object"),
-        ({"cap": 3}, "unknown keys"),
-        ({"max_labelled_users": -1}, "max_labelled_users"),
-        ({"max_labelled_users": "100"}, "max_labelled_users"),
-        ({"emit": "yes"}, "emit"),
-    ],
-)
-def test_invalid_settings_are_refused_naming_the_field(entry, message) -> None:
-    with pytest.raises(PayloadError, match=message):
-        MetricsSettings.from_additional_config({SETTINGS_KEY: entry})

@@ -1,8 +1,10 @@
-"""Flags, additional_config, and configurations refused at config time."""
+"""The one settings object (``pacing.settings``): flags, ``additional_config``,
+and configurations refused at config time."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -12,10 +14,17 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext import hooks
-from engine_ext.config import OutputRateConfig, OutputRateConfigError
 from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from engine_ext.supported import check_supported
+from pacing import settings
+from pacing.settings import (
+    DEFAULT_MAX_LABELLED_USERS,
+    ControlSettings,
+    MetricsSettings,
+    OutputRateSettings,
+    SettingsError,
+)
 from tools.scheduler_harness import make_scheduler
 
 register()
@@ -41,11 +50,30 @@ def test_serve_parser_accepts_the_flags(serve_parser):
     )
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert engine_args.max_num_active_seqs == 4
-    assert engine_args.additional_config["output_rate"] == {
-        "default_rate": 100,
-        "user_rates": {"user-a": 100, "user-b": 500},
-    }
+    entry = engine_args.additional_config["output_rate"]
+    assert entry["default_rate"] == 100
+    assert entry["user_rates"] == {"user-a": 100, "user-b": 500}
+    assert entry["control"]["address"] == "127.0.0.1:50151"  # the flags' default
     assert hooks.HTTP_GUARD in args.middleware
+
+
+def test_the_flags_keep_the_metrics_given_in_additional_config(serve_parser):
+    metrics = {"emit": False, "max_labelled_users": 7}
+    args = serve_parser.parse_args(
+        [
+            "m",
+            "--default-user-output-tokens-per-second",
+            "100",
+            "--output-rate-control-address",
+            "off",
+            "--additional-config",
+            json.dumps({"output_rate": {"metrics": metrics}, "other": 1}),
+        ]
+    )
+    additional = AsyncEngineArgs.from_cli_args(args).additional_config
+    assert additional["output_rate"]["metrics"] == metrics
+    assert additional["output_rate"]["control"]["address"] == "off"
+    assert additional["other"] == 1  # another plugin's entry stays
 
 
 def test_without_the_default_flag_nothing_changes(serve_parser):
@@ -107,20 +135,111 @@ def test_bad_flag_fails_start_up_with_one_line(tiny_model_dir):
 
 
 def test_additional_config_round_trip_and_validation():
-    config = OutputRateConfig(default_rate=5, user_rates={"x": 7})
+    config = OutputRateSettings(default_rate=5, user_rates={"x": 7})
     assert (
-        OutputRateConfig.from_additional_config(
+        OutputRateSettings.from_additional_config(
             {"output_rate": config.to_additional_config()}
         )
         == config
     )
-    assert not OutputRateConfig.from_additional_config({}).enabled
-    with pytest.raises(OutputRateConfigError, match="unknown keys"):
-        OutputRateConfig.from_additional_config({"output_rate": {"rate": 5}})
-    with pytest.raises(OutputRateConfigError, match="must be an object"):
-        OutputRateConfig.from_additional_config({"output_rate": 5})
-    with pytest.raises(OutputRateConfigError, match="between 1 and"):
-        OutputRateConfig.from_additional_config({"output_rate": {"default_rate": 0}})
+    assert not OutputRateSettings.from_additional_config({}).enabled
+    with pytest.raises(SettingsError, match="unknown keys"):
+        OutputRateSettings.from_additional_config({"output_rate": {"rate": 5}})
+    with pytest.raises(SettingsError, match="must be an object"):
+        OutputRateSettings.from_additional_config({"output_rate": 5})
+    with pytest.raises(SettingsError, match="between 1 and"):
+        OutputRateSettings.from_additional_config({"output_rate": {"default_rate": 0}})
+
+
+def test_flags_round_trip_through_additional_config(tmp_path):
+    parser = argparse.ArgumentParser()
+    settings.add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--output-rate-control-address",
+            "127.0.0.1:0",
+            "--user-output-rate-config",
+            str(tmp_path / "limits.yaml"),
+            "--output-rate-control-token-file",
+            "/run/secrets/token",
+        ]
+    )
+    paced = OutputRateSettings.from_cli_args(args)
+    additional = {"output_rate": paced.to_additional_config()}
+    json.dumps(additional)  # must survive vLLM's serialisation
+    assert OutputRateSettings.from_additional_config(additional) == paced
+    assert paced.control is not None
+    assert paced.control.token_file == "/run/secrets/token"
+
+
+def test_without_the_default_flag_the_flags_ask_for_no_control_plane():
+    parser = argparse.ArgumentParser()
+    settings.add_cli_args(parser)
+    args = parser.parse_args(["--output-rate-control-token-file", "/missing"])
+    assert OutputRateSettings.from_cli_args(args) == OutputRateSettings()
+
+
+def test_control_defaults_listen_on_loopback():
+    paced = OutputRateSettings.from_additional_config(
+        {"output_rate": {"default_rate": 10, "control": {}}}
+    )
+    assert paced.control == ControlSettings()
+    assert paced.control.address == "127.0.0.1:50151"
+    assert paced.control.enabled
+
+
+def test_unknown_control_settings_are_refused():
+    with pytest.raises(SettingsError, match="unknown keys"):
+        OutputRateSettings.from_additional_config(
+            {"output_rate": {"default_rate": 10, "control": {"adress": "x"}}}
+        )
+
+
+def test_metrics_default_to_not_emitting_with_the_default_cap():
+    assert OutputRateSettings.from_additional_config(None).metrics == MetricsSettings(
+        emit=False, max_labelled_users=DEFAULT_MAX_LABELLED_USERS
+    )
+    paced = OutputRateSettings(
+        default_rate=5, metrics=MetricsSettings(emit=True, max_labelled_users=7)
+    )
+    assert (
+        OutputRateSettings.from_additional_config(
+            {"output_rate": paced.to_additional_config()}
+        )
+        == paced
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ([], "must be an object"),
+        ({"cap": 3}, "unknown keys"),
+        ({"max_labelled_users": -1}, "max_labelled_users"),
+        ({"max_labelled_users": "100"}, "max_labelled_users"),
+        ({"emit": "yes"}, "emit"),
+    ],
+)
+def test_invalid_metrics_settings_are_refused_naming_the_field(entry, message):
+    with pytest.raises(SettingsError, match=message):
+        OutputRateSettings.from_additional_config({"output_rate": {"metrics": entry}})
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("output_rate_control", "control"), ("output_rate_metrics", "metrics")],
+)
+def test_the_keys_of_earlier_versions_are_refused_naming_their_new_place(old, new):
+    with pytest.raises(SettingsError) as error:
+        OutputRateSettings.from_additional_config(
+            {"output_rate": {"default_rate": 10}, old: {}}
+        )
+    assert str(error.value) == (
+        f"additional_config[{old!r}] is no longer read: use "
+        f"additional_config['output_rate'][{new!r}]"
+    )
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -153,7 +272,7 @@ def test_another_custom_scheduler_is_refused(tiny_model_dir):
         scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler",
         additional_config={"output_rate": {"default_rate": 10}},
     )
-    with pytest.raises(OutputRateConfigError, match="--scheduler-cls"):
+    with pytest.raises(SettingsError, match="--scheduler-cls"):
         engine_args.create_engine_config()
 
 
@@ -194,7 +313,7 @@ def test_unsupported_configurations_are_refused_naming_the_option(
     vllm_config = _vllm_config(tiny_model_dir)
     check_supported(vllm_config)  # the plain tiny model is fine
     mutate(vllm_config)
-    with pytest.raises(OutputRateConfigError, match=option):
+    with pytest.raises(SettingsError, match=option):
         check_supported(vllm_config)
 
 
@@ -216,4 +335,4 @@ def test_hooks_install_once():
 
 def test_rate_flag_type_rejects_bool_like_values():
     with pytest.raises(argparse.ArgumentTypeError):
-        hooks._rate_arg("true")
+        settings._rate_arg("true")

@@ -1,0 +1,336 @@
+"""Every setting of per-user output pacing, in one object: ``OutputRateSettings``,
+its command-line flags, and its one home in vLLM's ``additional_config`` (the
+field vLLM carries to the engine-core process for plugins).
+
+``additional_config["output_rate"]`` (what the flags produce, and the offline
+``LLM(additional_config=...)`` form)::
+
+    {
+      "default_rate": 100,             # tokens/s; absent or null: pacing off
+      "user_rates": {"user-a": 100},
+      "control": {                     # absent: no control plane
+        "address": "127.0.0.1:50151", "config_path": null, "token_file": null,
+        "tls_cert": null, "tls_key": null, "tls_client_ca": null
+      },
+      "metrics": {"emit": false, "max_labelled_users": 100}
+    }
+
+The flags always give a ``control`` object (``--output-rate-control-address off``
+runs none); offline, a control plane runs only where one is asked for. Secrets
+never travel here (vLLM logs its config): only the paths of the token and TLS
+files, which the control plane reads where it runs.
+
+The keys of earlier versions, ``output_rate_control`` and ``output_rate_metrics``,
+are refused with an error that names their new place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from pacing.identity import validate_user
+from pacing.limiter import validate_rate
+
+#: Key of our settings inside ``VllmConfig.additional_config``.
+ADDITIONAL_CONFIG_KEY = "output_rate"
+#: Keys of earlier versions -> the entry of ``output_rate`` that replaced them.
+_MOVED_KEYS = {"output_rate_control": "control", "output_rate_metrics": "metrics"}
+
+DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
+USER_RATES_FLAG = "--user-output-tokens-per-second"
+ADDRESS_FLAG = "--output-rate-control-address"
+CONFIG_FLAG = "--user-output-rate-config"
+TOKEN_FILE_FLAG = "--output-rate-control-token-file"
+TLS_CERT_FLAG = "--output-rate-control-tls-cert"
+TLS_KEY_FLAG = "--output-rate-control-tls-key"
+TLS_CLIENT_CA_FLAG = "--output-rate-control-tls-client-ca"
+
+DEFAULT_ADDRESS = "127.0.0.1:50151"
+#: ``--output-rate-control-address`` value that runs no control plane.
+ADDRESS_OFF = "off"
+#: Environment variable holding the control plane's bearer token when no token
+#: file is given (read by the control plane and by ``output-rate-ctl``).
+TOKEN_ENV = "OUTPUT_RATE_CONTROL_TOKEN"
+#: Default cap on users with their own ``user`` metrics label.
+DEFAULT_MAX_LABELLED_USERS = 100
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the flag or the key."""
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """Where and how the control plane listens, and its limits file. Paths
+    only: the control plane reads the files where it runs."""
+
+    address: str = DEFAULT_ADDRESS
+    config_path: str | None = None
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SettingsError(
+                f"{TLS_CERT_FLAG} and {TLS_KEY_FLAG} must be given together"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise SettingsError(
+                f"{TLS_CLIENT_CA_FLAG} (mTLS) needs {TLS_CERT_FLAG} and {TLS_KEY_FLAG}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a control plane should run."""
+        return self.address != ADDRESS_OFF
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Whether the scheduler emits the metrics payload, and the label cap.
+
+    ``emit`` must be true only when the API process will consume the payload
+    (our stat logger is loaded there), because vLLM's own logging stat logger
+    crashes on it otherwise; the engine config hook sets it.
+    """
+
+    emit: bool = False
+    max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS
+
+    def __post_init__(self) -> None:
+        where = f"{ADDITIONAL_CONFIG_KEY}.metrics"
+        if not isinstance(self.emit, bool):
+            raise SettingsError(f"{where}.emit must be a boolean")
+        cap = self.max_labelled_users
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise SettingsError(
+                f"{where}.max_labelled_users must be a non-negative integer, "
+                f"got {cap!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OutputRateSettings:
+    """What the operator asked for, validated: a default limit (``None`` =
+    pacing off) and per-user overrides in output tokens per second, the control
+    plane (``None``: none asked for) and the metrics."""
+
+    default_rate: int | None = None
+    user_rates: Mapping[str, int] = field(default_factory=dict)
+    control: ControlSettings | None = None
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+
+    def __post_init__(self) -> None:
+        try:
+            if self.default_rate is not None:
+                validate_rate(self.default_rate, field=DEFAULT_RATE_FLAG)
+            for user, rate in self.user_rates.items():
+                validate_user(user, field=f"user name in {USER_RATES_FLAG}")
+                validate_rate(rate, field=f"{USER_RATES_FLAG} rate of {user!r}")
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.user_rates and self.default_rate is None:
+            raise SettingsError(
+                f"{USER_RATES_FLAG} needs {DEFAULT_RATE_FLAG}: the default limit "
+                "is what turns per-user output pacing on"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether pacing is on."""
+        return self.default_rate is not None
+
+    @classmethod
+    def from_cli_args(
+        cls,
+        args: argparse.Namespace,
+        additional_config: Mapping[str, Any] | None = None,
+    ) -> OutputRateSettings:
+        """Reads the flags ``add_cli_args`` added. With pacing on they set the
+        limits and the control plane; the metrics, which have no flags, come
+        from ``additional_config`` (as the operator passed it), if it has them.
+        Without ``DEFAULT_RATE_FLAG``: pacing off, no control plane."""
+        default_rate = getattr(args, _dest(DEFAULT_RATE_FLAG))
+        user_rates = parse_user_rates(getattr(args, _dest(USER_RATES_FLAG)))
+        if default_rate is None:
+            return cls(user_rates=user_rates)
+        control = ControlSettings(
+            **{name: getattr(args, _dest(flag)) for name, flag in _FLAGS.items()}
+        )
+        given = cls.from_additional_config(additional_config)
+        return cls(default_rate, user_rates, control=control, metrics=given.metrics)
+
+    @classmethod
+    def from_additional_config(
+        cls, additional_config: Mapping[str, Any] | None
+    ) -> OutputRateSettings:
+        """Reads our entry of ``additional_config`` (absent: pacing off). Every
+        consumer reads the settings through this one function."""
+        additional_config = additional_config or {}
+        for old, new in _MOVED_KEYS.items():
+            if old in additional_config:
+                raise SettingsError(
+                    f"additional_config[{old!r}] is no longer read: use "
+                    f"additional_config[{ADDITIONAL_CONFIG_KEY!r}][{new!r}]"
+                )
+        entry = additional_config.get(ADDITIONAL_CONFIG_KEY)
+        if entry is None:
+            return cls()
+        where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
+        _check_keys(entry, where, _fields(cls))
+        user_rates = entry.get("user_rates") or {}
+        if not isinstance(user_rates, Mapping):
+            raise SettingsError(
+                f"{where}['user_rates'] must be an object mapping user names to "
+                "tokens per second"
+            )
+        control = None
+        if (control_entry := entry.get("control")) is not None:
+            _check_keys(control_entry, f"{where}['control']", _fields(ControlSettings))
+            control = ControlSettings(**control_entry)
+        metrics = entry.get("metrics")
+        metrics = {} if metrics is None else metrics
+        _check_keys(metrics, f"{where}['metrics']", _fields(MetricsSettings))
+        return cls(
+            default_rate=entry.get("default_rate"),
+            user_rates=dict(user_rates),
+            control=control,
+            metrics=MetricsSettings(**metrics),
+        )
+
+    def to_additional_config(self) -> dict[str, Any]:
+        """Our entry for ``additional_config`` (JSON-serialisable, no secrets)."""
+        entry: dict[str, Any] = {
+            "default_rate": self.default_rate,
+            "user_rates": dict(self.user_rates),
+            "metrics": asdict(self.metrics),
+        }
+        if self.control is not None:
+            entry["control"] = asdict(self.control)
+        return entry
+
+
+def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Adds every flag to ``group`` (a parser or an argument group); values are
+    checked as they are parsed, so a bad one is an argparse error."""
+    group.add_argument(
+        DEFAULT_RATE_FLAG,
+        type=_rate_arg,
+        default=None,
+        help="Enables pacing: output tokens/s shared by all requests of a user "
+        "without an explicit limit. Unset: the scheduler behaves as upstream.",
+    )
+    group.add_argument(
+        USER_RATES_FLAG,
+        type=_user_rates_arg,
+        default=None,
+        help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
+    )
+    group.add_argument(
+        ADDRESS_FLAG,
+        default=DEFAULT_ADDRESS,
+        help="host:port of the gRPC control plane (limits, per-user state); "
+        f"'{ADDRESS_OFF}' runs none. Non-loopback addresses need a token or mTLS.",
+    )
+    group.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        metavar="PATH",
+        help="JSON or YAML file of limits, loaded at start (it wins over the "
+        "flags), rewritten after every change, watched for edits.",
+    )
+    group.add_argument(
+        TOKEN_FILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help=f"File holding the bearer token clients must send (default: "
+        f"${TOKEN_ENV}, if set).",
+    )
+    group.add_argument(
+        TLS_CERT_FLAG,
+        default=None,
+        metavar="PEM",
+        help="Server certificate chain (enables TLS).",
+    )
+    group.add_argument(
+        TLS_KEY_FLAG, default=None, metavar="PEM", help="Server private key."
+    )
+    group.add_argument(
+        TLS_CLIENT_CA_FLAG,
+        default=None,
+        metavar="PEM",
+        help="CA of client certificates; clients without one are refused (mTLS).",
+    )
+
+
+def parse_user_rates(raw: str | None) -> dict[str, int]:
+    """Parses ``--user-output-tokens-per-second`` JSON: ``{"user": rate, ...}``."""
+    if raw is None or raw.strip() == "":
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(
+            f"{USER_RATES_FLAG} is not valid JSON ({exc.msg} at position {exc.pos}); "
+            'expected an object like {"user-a": 100}'
+        ) from None
+    if not isinstance(value, dict):
+        raise SettingsError(
+            f"{USER_RATES_FLAG} must be a JSON object mapping user names to tokens "
+            f"per second, got {type(value).__name__}"
+        )
+    return value
+
+
+#: ``ControlSettings`` field -> its flag.
+_FLAGS = {
+    "address": ADDRESS_FLAG,
+    "config_path": CONFIG_FLAG,
+    "token_file": TOKEN_FILE_FLAG,
+    "tls_cert": TLS_CERT_FLAG,
+    "tls_key": TLS_KEY_FLAG,
+    "tls_client_ca": TLS_CLIENT_CA_FLAG,
+}
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def _dest(flag: str) -> str:
+    """The attribute argparse stores ``flag``'s value under (its ``dest``)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _check_keys(entry: object, where: str, known: set[str]) -> None:
+    if not isinstance(entry, Mapping):
+        raise SettingsError(f"{where} must be an object")
+    unknown = set(entry) - known
+    if unknown:
+        raise SettingsError(
+            f"{where} has unknown keys {sorted(unknown)}; expected "
+            f"{', '.join(sorted(known))}"
+        )
+
+
+def _rate_arg(raw: str) -> int:
+    try:
+        return validate_rate(int(raw), field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (tokens per second), got {raw!r}: {exc}"
+        ) from None
+
+
+def _user_rates_arg(raw: str) -> str:
+    try:
+        OutputRateSettings(default_rate=1, user_rates=parse_user_rates(raw))
+    except SettingsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
