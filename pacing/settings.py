@@ -167,12 +167,12 @@ class OutputRateSettings:
         return cls(default_rate, user_rates, control=control, metrics=given.metrics)
 
     @classmethod
-    def from_additional_config(
-        cls, additional_config: Mapping[str, Any] | None
-    ) -> OutputRateSettings:
+    def from_additional_config(cls, additional_config: object) -> OutputRateSettings:
         """Reads our entry of ``additional_config`` (absent: pacing off). Every
-        consumer reads the settings through this one function."""
-        additional_config = additional_config or {}
+        consumer reads the settings through this one function. vLLM also takes a
+        hashable object other than a dict there, which has no entry of ours."""
+        if not isinstance(additional_config, Mapping):
+            return cls()
         for old, new in _MOVED_KEYS.items():
             if old in additional_config:
                 raise SettingsError(

@@ -265,6 +265,21 @@ def test_engine_config_without_pacing_keeps_upstream_scheduler(tiny_model_dir):
     assert vllm_config.scheduler_config.scheduler_cls is None
 
 
+class _HashableConfig:
+    """What vLLM also takes as ``additional_config``: an object with a hash."""
+
+    def compute_hash(self) -> str:
+        return "another-plugin"
+
+
+def test_a_hashable_additional_config_object_leaves_pacing_off(tiny_model_dir):
+    vllm_config = EngineArgs(
+        model=tiny_model_dir, max_model_len=512, additional_config=_HashableConfig()
+    ).create_engine_config()
+    assert vllm_config.scheduler_config.scheduler_cls is None
+    assert not OutputRateSettings.from_additional_config(_HashableConfig()).enabled
+
+
 def test_another_custom_scheduler_is_refused(tiny_model_dir):
     engine_args = EngineArgs(
         model=tiny_model_dir,
