@@ -29,7 +29,7 @@ from control.server import ControlServer, create_server
 from control.service import LimitsService
 from control.table import TableDocument
 from pacing.settings import ControlSettings, OutputRateSettings
-from pacing.shared import SharedLimiter
+from pacing.shared import ControlPlaneSnapshot, SharedLimiter
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -51,6 +51,20 @@ class ControlPlane:
         if self.watcher is not None:
             self.watcher.stop()
 
+    def snapshot(self) -> ControlPlaneSnapshot:
+        """Its cumulative counters now; the metrics read them through the
+        facade (``SharedLimiter.control_snapshot``)."""
+        watcher = self.watcher
+        return ControlPlaneSnapshot(
+            limit_changes=self.service.limit_changes,
+            config_reloads=(
+                {}
+                if watcher is None
+                else {"success": watcher.successes, "failure": watcher.failures}
+            ),
+            rpcs=self.server.rpc_counts.snapshot(),
+        )
+
 
 def serve(
     shared: SharedLimiter,
@@ -60,9 +74,10 @@ def serve(
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
 ) -> ControlPlane:
     """Loads the config file into ``shared``'s limiter (the limiter's current
-    table counts as the flags), starts the server on ``settings.address`` and
-    marks it SERVING. Raises on a bad config file, bad TLS or token files, or an
-    address it may not or cannot bind; nothing keeps running then."""
+    table counts as the flags), starts the server on ``settings.address``, marks
+    it SERVING and hands its counters to ``shared`` for the metrics. Raises on a
+    bad config file, bad TLS or token files, or an address it may not or cannot
+    bind; nothing keeps running then."""
     with shared.lock:
         flags = TableDocument(
             default_rate=shared.limiter.default_rate,
@@ -89,7 +104,9 @@ def serve(
     logger.info(
         "output-rate control plane listening on %s (port %d)", settings.address, port
     )
-    return ControlPlane(service=service, server=server, port=port, watcher=watcher)
+    plane = ControlPlane(service=service, server=server, port=port, watcher=watcher)
+    shared.set_control_snapshot(plane.snapshot)
+    return plane
 
 
 def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:

@@ -9,7 +9,8 @@ vLLM version breaks at start-up, not at the first throttled request.
   ``python -m engine_ext.serve``); the plugin hook runs right before upstream
   builds its parser, which is the moment vLLM documents for plugins to extend it.
 - ``EngineArgs.from_cli_args``: checks our flags before any model loads (a bad
-  one exits like an argparse error; ``control.preflight``), moves them into
+  one exits like an argparse error; the checks registered with
+  ``pacing.attachments``, the control plane's among them), moves them into
   ``additional_config`` (the field vLLM carries to the engine-core process) and
   adds the HTTP guard middleware to the API server's ``--middleware`` list.
 - ``EngineArgs.create_engine_config``: once vLLM has resolved the config (async
@@ -35,11 +36,11 @@ import queue
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine_ext import idle_stats
 from engine_ext.supported import check_supported
-from pacing import settings
+from pacing import attachments, settings
 from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings, SettingsError
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequestType
     from vllm.v1.engine.core import EngineCoreProc
     from vllm.v1.engine.output_processor import OutputProcessor
+
+    from engine_ext.scheduler import OutputRateSchedulerMixin
 
 #: Upper bound of one idle wait: lets the engine notice asynchronously-ready work
 #: (a compiled structured-output grammar, say) that does not arrive as input.
@@ -148,8 +151,6 @@ def _from_cli_args(
     """Also checks every pacing and control-plane setting, in the process the
     operator started and before any model loads: a bad one ends the process like
     an argparse error (one line on stderr, exit code 2)."""
-    from control import preflight
-
     engine_args = original(args)
     try:
         paced = OutputRateSettings.from_cli_args(args, engine_args.additional_config)
@@ -157,8 +158,8 @@ def _from_cli_args(
             return engine_args
         # API servers vLLM spawns (--api-server-count) get the checked args; the
         # engine core may already hold the port by the time they run.
-        if multiprocessing.parent_process() is None and paced.control is not None:
-            preflight.check(paced.control)
+        if multiprocessing.parent_process() is None:
+            attachments.preflight(paced)
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -203,12 +204,11 @@ def _enable_metrics_transport(
     crash on them)."""
     from engine_ext.metrics import transport_enabled
 
-    if transport_enabled(usage_context):
+    additional = vllm_config.additional_config  # a dict: `paced` was read from it
+    if transport_enabled(usage_context) and isinstance(additional, dict):
         metrics = dataclasses.replace(paced.metrics, emit=True)
         paced = dataclasses.replace(paced, metrics=metrics)
-        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = (
-            paced.to_additional_config()
-        )
+        additional[ADDITIONAL_CONFIG_KEY] = paced.to_additional_config()
 
 
 # -- engine loop ------------------------------------------------------------
@@ -269,8 +269,10 @@ def _process_engine_step(
     original: Callable[[EngineCoreProc], bool], engine: EngineCoreProc
 ) -> bool:
     if getattr(engine.scheduler, "output_rate_needs_wake_binding", False):
-        engine.scheduler.output_rate_needs_wake_binding = False
-        engine.scheduler.bind_wake(functools.partial(_wake_engine, engine))
+        # Only our scheduler has that flag.
+        scheduler = cast("OutputRateSchedulerMixin", engine.scheduler)
+        scheduler.output_rate_needs_wake_binding = False
+        scheduler.bind_wake(functools.partial(_wake_engine, engine))
     model_executed = original(engine)
     if not model_executed:
         timeout_s = idle_wait_timeout_s(engine.scheduler, time.monotonic_ns())

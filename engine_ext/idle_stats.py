@@ -91,7 +91,7 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
     the step's own payload reports.
     """
     return (
-        scheduler._control_snapshot(),
+        scheduler.output_rate_shared.control_snapshot(),
         scheduler.limiter.default_rate,
         dataclasses.astuple(scheduler.accounting.total),
         scheduler.limiter.tracked_users(),

@@ -70,9 +70,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
-from control.runner import ControlPlane, attach
 from engine_ext import stats_payload
 from engine_ext.request_tracing import with_throttle_headers
+from pacing import attachments
 from pacing.accounting import Accounting
 from pacing.identity import ANONYMOUS_USER, user_from_extra_args
 from pacing.limiter import OutputRateLimiter
@@ -146,9 +146,6 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         settings = OutputRateSettings.from_additional_config(
             self.vllm_config.additional_config
         )
-        self.limiter = OutputRateLimiter(
-            settings.default_rate, dict(settings.user_rates)
-        )
         self._base_max_active = self.max_num_active_reqs
         self._user_of: dict[str, str] = {}
         self._last_served: dict[str, str] = {}  # user -> request id
@@ -159,17 +156,19 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: When the last step scheduled nothing because of the limiter: the
         #: earliest time a refused user has budget again (for the engine loop).
         self.next_ready_ns: int | None = None
-        self.accounting = Accounting()
         #: Per user (running, throttled) requests, as of the last step's start.
         self._request_counts: dict[str, tuple[int, int]] = {}
-        #: Shared with the control plane: the lock held for every whole step.
+        #: The limiter and its counters, shared with whatever attaches (the
+        #: control plane): the lock is held for every whole step.
         self.output_rate_shared = SharedLimiter(
-            self.limiter,
-            self.accounting,
+            OutputRateLimiter(settings.default_rate, dict(settings.user_rates)),
+            Accounting(),
             lambda: self.clock(),
             request_counts=lambda: self._request_counts,
         )
-        self.output_rate_control: ControlPlane | None = None
+        #: What attached through the core's registration point (the control
+        #: plane, when the settings ask for one); stopped at shutdown.
+        self.output_rate_attachments: list[attachments.Attachment] = []
         #: Whether the engine-loop hook has yet to bind ``wake`` to the engine's
         #: input queue (only with pacing on).
         self.output_rate_needs_wake_binding = False
@@ -195,8 +194,20 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 settings.default_rate,
                 len(settings.user_rates),
             )
-            self.output_rate_control = attach(self.output_rate_shared, settings)
+            self.output_rate_attachments = attachments.attach_all(
+                self.output_rate_shared, settings
+            )
             self.output_rate_needs_wake_binding = True
+
+    @property
+    def limiter(self) -> OutputRateLimiter:
+        """The limiter; the facade (``output_rate_shared``) holds it."""
+        return self.output_rate_shared.limiter
+
+    @property
+    def accounting(self) -> Accounting:
+        """The per-user counters; the facade (``output_rate_shared``) holds them."""
+        return self.output_rate_shared.accounting
 
     # -- identity ----------------------------------------------------------
 
@@ -250,9 +261,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         return output
 
     def shutdown(self) -> None:
-        if self.output_rate_control is not None:
-            self.output_rate_control.stop()
-            self.output_rate_control = None
+        attached, self.output_rate_attachments = self.output_rate_attachments, []
+        attachments.stop_all(attached)
         super().shutdown()
 
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
@@ -269,7 +279,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                             t for _, t in self._request_counts.values()
                         ),
                         tracked_users=self.limiter.tracked_users(),
-                        control=self._control_snapshot(),
+                        control=self.output_rate_shared.control_snapshot(),
                     )
                 stats_payload.attach(stats, payload)
             except Exception:
@@ -277,21 +287,6 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 # metrics are lost instead, pacing goes on.
                 self.output_rate_stats.failures.record()
         return stats
-
-    def _control_snapshot(self) -> stats_payload.ControlPlaneSnapshot | None:
-        control = self.output_rate_control
-        if control is None:
-            return None
-        watcher = control.watcher
-        return stats_payload.ControlPlaneSnapshot(
-            limit_changes=control.service.limit_changes,
-            config_reloads=(
-                {}
-                if watcher is None
-                else {"success": watcher.successes, "failure": watcher.failures}
-            ),
-            rpcs=control.server.rpc_counts.snapshot(),
-        )
 
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """Lets control-plane changes end the engine's idle wait at once."""

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.settings import DEFAULT_MAX_LABELLED_USERS
+from pacing.shared import ControlPlaneSnapshot
 
 if TYPE_CHECKING:
     from vllm.v1.metrics.stats import SchedulerStats
@@ -113,18 +114,6 @@ class FailureLog:
                 self._what,
                 self.count,
             )
-
-
-# -- control-plane counters ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ControlPlaneSnapshot:
-    """Cumulative control-plane events at one moment."""
-
-    limit_changes: int = 0
-    config_reloads: Mapping[str, int] = field(default_factory=dict)  # result -> n
-    rpcs: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (m, code)
 
 
 # -- the payload --------------------------------------------------------------

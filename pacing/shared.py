@@ -23,14 +23,16 @@ idle-waiting on the limiter re-plans with the new limits at once instead of
 after its current wait (at most 50 ms).
 
 Also here: each user's recent tokens/s, sampled from the accounting's net
-charged tokens (charged minus refunds) once per ``rate_interval_ns``.
+charged tokens (charged minus refunds) once per ``rate_interval_ns``; and the
+attached control plane's counters for the metrics (``control_snapshot``), so
+that the scheduler reads them from the facade, never from the control plane.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from pacing.accounting import Accounting, UserCounters
@@ -69,6 +71,15 @@ class UserSnapshot:
     recent_tokens_per_second: float
 
 
+@dataclass(frozen=True)
+class ControlPlaneSnapshot:
+    """Cumulative control-plane events at one moment (for the metrics)."""
+
+    limit_changes: int = 0  #: committed limit tables, the start-up load included
+    config_reloads: Mapping[str, int] = field(default_factory=dict)  # result -> n
+    rpcs: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (m, code)
+
+
 class SharedLimiter:
     """Owns the lock under which the scheduler and the control plane use the
     limiter and the accounting; see the module docstring.
@@ -99,6 +110,7 @@ class SharedLimiter:
         self._request_counts = request_counts
         self._wake = wake
         self._recent = RecentRates(rate_window_ns, rate_interval_ns)
+        self._control_snapshot: Callable[[], ControlPlaneSnapshot] | None = None
 
     def on_step(self, now_ns: int) -> None:
         """Records the end of a scheduling step at ``now_ns`` (samples recent
@@ -116,6 +128,19 @@ class SharedLimiter:
         so the shared limiter, is built before the engine loop's input queue is
         reachable from it)."""
         self._wake = wake
+
+    def control_snapshot(self) -> ControlPlaneSnapshot | None:
+        """The attached control plane's counters now; ``None`` when none is
+        attached. Any thread, with or without the lock."""
+        source = self._control_snapshot
+        return None if source is None else source()
+
+    def set_control_snapshot(
+        self, source: Callable[[], ControlPlaneSnapshot] | None
+    ) -> None:
+        """Sets where ``control_snapshot`` reads from (the control plane, when it
+        attaches); ``None`` detaches it."""
+        self._control_snapshot = source
 
     def read(self) -> Reading:
         """Starts a read at the clock's current time. Requires the lock held for

@@ -16,6 +16,7 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+from control.plugin import register as register_control_plane
 from engine_ext import hooks, idle_stats, stats_payload
 from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateScheduler
@@ -161,6 +162,7 @@ def emitting_scheduler(tiny_model_dir, control: dict | None = None):
         entry["metrics"] = {"emit": True}
         if control is not None:
             entry["control"] = control
+            register_control_plane()  # as its entry point does in vLLM
         return OutputRateScheduler(**{**kwargs, "log_stats": True})
 
     scheduler = make_scheduler(
@@ -228,7 +230,7 @@ def test_an_idle_engine_sends_control_plane_changes_without_a_step(
         tiny_model_dir,
         {"address": "127.0.0.1:0", "config_path": str(config)},
     )
-    control = scheduler.output_rate_control
+    [control] = scheduler.output_rate_attachments
     engine = IdleEngine(scheduler)
     heartbeat = heartbeat_for(engine)
     try:

@@ -31,11 +31,11 @@ from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_USER,
     PAYLOAD_KEY,
-    ControlPlaneSnapshot,
     PayloadBuilder,
     attach,
 )
 from pacing.accounting import Accounting
+from pacing.shared import ControlPlaneSnapshot
 from tools.scheduler_harness import make_scheduler
 
 MODEL = "tiny-output-rate"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import configparser
 import shutil
 import subprocess
 import sys
@@ -24,9 +25,9 @@ DEV_MODULES = {
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """The file names inside a wheel built offline from a copy of the source tree
-    (a copy, so the build's ``build/`` and ``*.egg-info`` stay out of the checkout)."""
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built offline from a copy of the source tree (a copy, so the
+    build's ``build/`` and ``*.egg-info`` stay out of the checkout)."""
     src = tmp_path_factory.mktemp("src") / "project"
     shutil.copytree(
         ROOT,
@@ -52,7 +53,13 @@ def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         ],
         check=True,
     )
-    (wheel,) = out.glob("*.whl")
+    (built,) = out.glob("*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel: Path) -> list[str]:
+    """The file names inside ``wheel``."""
     with zipfile.ZipFile(wheel) as archive:
         return archive.namelist()
 
@@ -80,3 +87,16 @@ def test_wheel_holds_every_runtime_module(wheel_names: list[str]) -> None:
         for path in (ROOT / package).rglob("*.py")
     }
     assert source <= set(wheel_names), sorted(source - set(wheel_names))
+
+
+def test_wheel_declares_both_plugin_entry_points(wheel: Path) -> None:
+    """vLLM loads the adapter and the control plane each from its own entry point
+    (README, "Layout"): without the second, no control plane ever starts."""
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith("/entry_points.txt")]
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(archive.read(name).decode())
+    assert dict(entry_points["vllm.general_plugins"]) == {
+        "output_rate": "engine_ext.plugin:register",
+        "output_rate_control": "control.plugin:register",
+    }

@@ -48,12 +48,12 @@ class CountingLimiter(OutputRateLimiter):
 
 
 def use_counting_limiter(scheduler) -> CountingLimiter:
-    """Gives ``scheduler`` a counting limiter with the same limits, everywhere
-    the scheduler's limiter is held (the scheduler and the limiter it shares
-    with the control plane)."""
+    """Gives ``scheduler`` a counting limiter with the same limits, where the
+    scheduler's limiter is held: the facade it shares with the control plane."""
     old = scheduler.limiter
     limiter = CountingLimiter(old.default_rate, old.user_rates)
-    scheduler.limiter = scheduler.output_rate_shared.limiter = limiter
+    scheduler.output_rate_shared.limiter = limiter
+    assert scheduler.limiter is limiter
     return limiter
 
 

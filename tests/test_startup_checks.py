@@ -18,6 +18,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from control import preflight
 from control.errors import InvalidArgument
+from control.plugin import register as register_control_plane
 from control.runner import serve
 from control.server import BindRefused
 from engine_ext.plugin import register
@@ -33,6 +34,7 @@ from pacing.settings import (
 from tests.control_harness import make_rig
 
 register()
+register_control_plane()  # its entry point, should vLLM not have loaded it yet
 
 #: vLLM logs these once the engine core starts and once the model starts loading.
 MODEL_START_LINES = ("Initializing a V1 LLM engine", "Starting to load model")

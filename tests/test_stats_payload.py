@@ -21,7 +21,6 @@ from engine_ext.stats_payload import (
     OTHER_METHOD,
     OTHER_USER,
     PAYLOAD_KEY,
-    ControlPlaneSnapshot,
     FailureLog,
     PayloadBuilder,
     PayloadError,
@@ -31,6 +30,7 @@ from engine_ext.stats_payload import (
 )
 from pacing.accounting import Accounting
 from pacing.settings import DEFAULT_MAX_LABELLED_USERS
+from pacing.shared import ControlPlaneSnapshot
 
 #: Prefix of the control plane's full RPC method names.
 CONTROL = "/outputrate.v1.OutputRateControl/"
