@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --with-prometheus
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The layering contracts ([tool.importlinter] in pyproject.toml); a missing
+# lint-imports fails here too (set -e).
+.venv/bin/lint-imports --no-logo
 # Types of the runtime packages (config in pyproject.toml; cache in .mypy_cache).
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"
