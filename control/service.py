@@ -35,6 +35,7 @@ from control.table import (
     check_rate,
     check_table_size,
     check_user,
+    shown,
 )
 from pacing.shared import COLUMNS, Reading, SharedLimiter, UserSnapshot
 
@@ -149,7 +150,7 @@ class LimitsService:
             default, users = self._table()
             if user in users:
                 raise AlreadyExists(
-                    f"{names.shown(names.limit_name(user))} exists; use UpdateLimit"
+                    f"{shown(names.limit_name(user))} exists; use UpdateLimit"
                 )
             self._check_room(len(users) + 1)
             users[user] = rate
@@ -233,7 +234,7 @@ class LimitsService:
             user = names.parse_user(name, names.LIMITS, field=f"{field_name}.name")
             if user in users:
                 raise InvalidArgument(
-                    f"{field_name}.name: {names.shown(names.limit_name(user))} "
+                    f"{field_name}.name: {shown(names.limit_name(user))} "
                     "appears more than once"
                 )
             users[user] = check_rate(rate, field=f"{field_name}.tokens_per_second")
@@ -241,7 +242,7 @@ class LimitsService:
         with self._changes:
             if etag and etag != self._etag():
                 raise Aborted(
-                    f"etag {names.shown(etag)} is not current: the table changed "
+                    f"etag {shown(etag)} is not current: the table changed "
                     "since it was read; read it again and retry"
                 )
             new_etag = self._commit(default, users)
@@ -275,7 +276,7 @@ class LimitsService:
             reading = self._shared.read()
             if not reading.knows(user):
                 raise NotFound(
-                    f"{names.shown(names.user_state_name(user))}: the limiter does "
+                    f"{shown(names.user_state_name(user))}: the limiter does "
                     "not know this user (no explicit limit, request or counters)"
                 )
             return reading.snapshot(user)
@@ -424,7 +425,7 @@ class _Order:
             name, direction = words[0], words[1:]
             if direction not in ([], ["asc"], ["desc"]):
                 raise InvalidArgument(
-                    f"{field}: {names.shown(item)} must be a field name optionally "
+                    f"{field}: {shown(item)} must be a field name optionally "
                     "followed by asc or desc"
                 )
             descending = direction == ["desc"]
@@ -434,7 +435,7 @@ class _Order:
                 break  # user ids are unique: nothing after them matters
             if name not in COLUMNS:
                 raise InvalidArgument(
-                    f"{field}: cannot sort by {names.shown(name)}; sortable fields: "
+                    f"{field}: cannot sort by {shown(name)}; sortable fields: "
                     f"user, {', '.join(COLUMNS)}"
                 )
             if any(name == seen for seen, _ in parsed):
@@ -468,7 +469,7 @@ def _check_mask(update_mask: Sequence[str]) -> None:
     for path in update_mask:
         if path not in ("*", _RATE_FIELD):
             raise InvalidArgument(
-                f"update_mask: cannot update {names.shown(path)}; the only mutable "
+                f"update_mask: cannot update {shown(path)}; the only mutable "
                 f"field is {_RATE_FIELD}"
             )
 
@@ -481,7 +482,7 @@ def _page_size(page_size: int) -> int:
 
 def _no_limit(user: str) -> NotFound:
     return NotFound(
-        f"{names.shown(names.limit_name(user))} does not exist: the user has no "
+        f"{shown(names.limit_name(user))} does not exist: the user has no "
         "explicit limit (the default applies)"
     )
 
