@@ -4,6 +4,8 @@ stays bounded."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -63,9 +65,16 @@ def test_the_server_counts_each_call_by_full_name_and_final_code(served):
     stream = served.stub.WatchUserStates(pb.WatchUserStatesRequest())
     next(stream)
     stream.cancel()
-    served.server.stop(5).wait()  # the watch has ended on the server
-    counts = served.server.rpc_counts.snapshot()
+    served.server.stop(5).wait()
     watch = CONTROL + "WatchUserStates"
+    # A stream is counted when its handler's generator returns, in grpc's
+    # handler thread, which may be after the server reports itself stopped.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(
+        method == watch for method, _ in served.server.rpc_counts.snapshot()
+    ):
+        time.sleep(0.01)
+    counts = served.server.rpc_counts.snapshot()
     assert sum(n for (method, _), n in counts.items() if method == watch) == 1
     assert {k: n for k, n in counts.items() if k[0] != watch} == {
         (CONTROL + "GetDefaultLimit", "OK"): 1,

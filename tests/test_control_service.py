@@ -345,10 +345,11 @@ def test_list_user_states_by_several_fields(served, rig):
 
 def test_watch_user_states_sends_updates_at_the_interval(served, rig):
     rig.step("alice", 3)
+    # From before the call: the window surely holds the server's interval.
+    started = time.monotonic()
     stream = served.stub.WatchUserStates(
         pb.WatchUserStatesRequest(interval=interval(0.1), names=["userStates/alice"])
     )
-    started = time.monotonic()
     first = next(stream)
     rig.step("alice", 2)
     second = next(stream)

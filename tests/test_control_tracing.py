@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -84,5 +86,16 @@ def test_a_stream_is_one_span_ended_with_the_stream(traced):
     assert exporter.get_finished_spans() == ()
     stream.cancel()
     served.server.stop(5).wait()
-    (span,) = exporter.get_finished_spans()
+    (span,) = spans_once_ended(exporter, 1)
     assert span.name == "outputrate.v1.OutputRateControl/WatchUserStates"
+
+
+def spans_once_ended(exporter: InMemorySpanExporter, count: int) -> tuple:
+    """The finished spans once ``count`` have ended. A streaming call's span ends
+    when its handler's generator returns, in grpc's handler thread, which may be
+    after the server reports itself stopped; so wait for that event (10 s at
+    most) instead of assuming an order."""
+    deadline = time.monotonic() + 10
+    while len(exporter.get_finished_spans()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return exporter.get_finished_spans()
