@@ -1,7 +1,8 @@
 """The seed article's measurement (README, "Benchmarks"), side by side in one run, on
 a real local vLLM server: per-user rates against limits, an unthrottled user's speed
-alone and beside a throttled one, engine-core CPU while every user is parked, and
-(with ``--compare-upstream``) unthrottled throughput with pacing on vs off.
+alone and beside a throttled one, and engine-core CPU while every user is parked.
+The comparison with a stock server is ``benchmarks.compare_stock``, which reuses
+``isolation`` and ``engine_core_cpu`` from here.
 
 ``python -m benchmarks.article_measurement [--server-arg=--async-scheduling]``
 """
@@ -17,12 +18,44 @@ import time
 from pathlib import Path
 
 from tools.local_server import VllmServer, process_cpu_seconds, start_server
-from tools.measure import bracketed, most_tokens, rates_by_user, run_streams
+from tools.measure import (
+    Bracketed,
+    bracketed,
+    most_tokens,
+    rates_by_user,
+    run_streams,
+)
 from tools.tiny_model import ensure_tiny_model
 
 LIMITS = {"user-a": 20, "user-b": 100, "user-parked": 2}
 DEFAULT_RATE = 100_000  # high enough never to trigger for user-c
 TOKENS = 200
+#: The parked load: this many streams of ``user-parked``.
+PARKED_STREAMS = 4
+
+
+def pacing_args(limits: dict[str, int]) -> list[str]:
+    """Server flags: ``limits`` per user, everyone else ``DEFAULT_RATE``."""
+    return [
+        "--default-user-output-tokens-per-second",
+        str(DEFAULT_RATE),
+        "--user-output-tokens-per-second",
+        json.dumps(limits),
+    ]
+
+
+def scheduler_class(server: VllmServer) -> str:
+    """The scheduler class named in the server's 'pacing on' log line; empty when
+    that line is missing (pacing off, or the plugin not loaded)."""
+    line = next(
+        (
+            line
+            for line in server.log_path.read_text().splitlines()
+            if "per-user output pacing on" in line
+        ),
+        "",
+    )
+    return line.split("(")[-1].split(")")[0] if line else ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,47 +64,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra vLLM flag"
     )
-    parser.add_argument("--compare-upstream", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="output-rate-bench-"))
     model_dir = args.model_dir or str(ensure_tiny_model(workdir / "model"))
-    pacing = [
-        "--default-user-output-tokens-per-second",
-        str(DEFAULT_RATE),
-        "--user-output-tokens-per-second",
-        json.dumps(LIMITS),
-    ]
     results: dict = {"server_args": args.server_arg}
-    server = start_server(model_dir, workdir / "paced.log", pacing + args.server_arg)
+    server = start_server(
+        model_dir, workdir / "paced.log", pacing_args(LIMITS) + args.server_arg
+    )
     try:
-        results.update(asyncio.run(_paced_scenarios(server)))
-        results["engine_core_cpu_parked"] = _parked_cpu(server)
-        if args.compare_upstream:
-            results["throughput_paced"] = asyncio.run(_throughput(server))
+        results.update(asyncio.run(_rate_scenarios(server)))
+        c = asyncio.run(isolation(server))
+        results["c_solo_tok_s"] = c.alone
+        results["c_beside_a_tok_s"] = c.beside
+        results["c_ratio"] = c.ratio
+        results["engine_core_cpu_parked"] = {
+            "seconds": 10.0,
+            "cpu_share": asyncio.run(engine_core_cpu(server, "user-parked", 10.0)),
+        }
     finally:
         server.stop()
-    scheduler_line = next(
-        (
-            line
-            for line in server.log_path.read_text().splitlines()
-            if "pacing on" in line
-        ),
-        "",
-    )
-    results["scheduler"] = scheduler_line.split("(")[-1].split(")")[0]
-    if args.compare_upstream:
-        upstream = start_server(model_dir, workdir / "upstream.log", args.server_arg)
-        try:
-            results["throughput_upstream"] = asyncio.run(_throughput(upstream))
-        finally:
-            upstream.stop()
+    results["scheduler"] = scheduler_class(server)
     _report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
 
-async def _paced_scenarios(server: VllmServer) -> dict:
+async def _rate_scenarios(server: VllmServer) -> dict:
     out: dict = {}
     for a_streams in (1, 4):
         streams = [("user-a", TOKENS)] * a_streams + [("user-b", TOKENS)]
@@ -89,16 +108,18 @@ async def _paced_scenarios(server: VllmServer) -> dict:
             }
             for user, r in rates.items()
         }
+    return out
+
+
+async def isolation(server: VllmServer, cycles: int = 7) -> Bracketed:
+    """user-c's tok/s per request alone and beside user-a's 4 throttled streams
+    (20 tok/s), each run beside the load bracketed by runs alone."""
 
     async def throttled_a() -> None:
         # 40 s at 20 tok/s: outlasts user-c's measurement; bracketed cancels it.
         await run_streams(server.base_url, server.model, [("user-a", TOKENS)] * 4)
 
-    c = await bracketed(lambda: _c_request_rate(server), throttled_a, 7, 0.3)
-    out["c_solo_tok_s"] = c.alone
-    out["c_beside_a_tok_s"] = c.beside
-    out["c_ratio"] = c.ratio
-    return out
+    return await bracketed(lambda: _c_request_rate(server), throttled_a, cycles, 0.3)
 
 
 async def _c_request_rate(server: VllmServer) -> float:
@@ -106,31 +127,38 @@ async def _c_request_rate(server: VllmServer) -> float:
     return result.request_tokens_per_s
 
 
-def _parked_cpu(server: VllmServer, seconds: float = 10.0) -> dict:
-    """Engine-core CPU share while the only streams belong to a 2 tok/s user."""
+async def engine_core_cpu(
+    server: VllmServer,
+    user: str,
+    seconds: float,
+    streams: int = PARKED_STREAMS,
+    tokens: int = TOKENS,
+    settle_s: float = 2.0,
+) -> float:
+    """The engine core's CPU share (1.0 = one core) over ``seconds`` while
+    ``streams`` streams of ``user`` run, each started again when it ends (a user
+    limited to a few tok/s holds them parked; an unlimited one generates flat
+    out). Measured from ``settle_s`` after the streams start: past the burst."""
     pid = server.engine_core_pid()
+    if pid is None:
+        raise RuntimeError("no engine-core process found under the server")
 
-    async def parked() -> None:
-        await run_streams(server.base_url, server.model, [("user-parked", 30)] * 4)
+    async def one_stream() -> None:
+        while True:
+            await run_streams(server.base_url, server.model, [(user, tokens)])
 
-    async def measure() -> float:
-        task = asyncio.create_task(parked())
-        await asyncio.sleep(2)  # past the burst: every stream is parked
+    tasks = [asyncio.ensure_future(one_stream()) for _ in range(streams)]
+    try:
+        await asyncio.sleep(settle_s)
         before, started = process_cpu_seconds(pid), time.monotonic()
         await asyncio.sleep(seconds)
-        share = (process_cpu_seconds(pid) - before) / (time.monotonic() - started)
-        task.cancel()
-        return share
-
-    return {"pid": pid, "seconds": seconds, "cpu_share": asyncio.run(measure())}
-
-
-async def _throughput(server: VllmServer) -> float:
-    started = time.monotonic()
-    results = await run_streams(
-        server.base_url, server.model, [("user-c", TOKENS)] * 16
-    )
-    return sum(r.completion_tokens for r in results) / (time.monotonic() - started)
+        return (process_cpu_seconds(pid) - before) / (time.monotonic() - started)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if not isinstance(outcome, asyncio.CancelledError):
+                raise RuntimeError(f"a stream of the load failed: {outcome!r}")
 
 
 def _report(results: dict) -> None:
@@ -154,14 +182,6 @@ def _report(results: dict) -> None:
         f"engine-core CPU with every stream parked: {100 * cpu['cpu_share']:.1f} % "
         f"of a core over {cpu['seconds']:.0f} s"
     )
-    if "throughput_upstream" in results:
-        paced, upstream = results["throughput_paced"], results["throughput_upstream"]
-        ratio = statistics.median(paced) / statistics.median(upstream)
-        print(
-            f"16 unthrottled streams, tok/s per run: paced {[round(r) for r in paced]}"
-            f", upstream {[round(r) for r in upstream]} (ratio of medians {ratio:.3f};"
-            " one server each, so machine drift between them is not cancelled)"
-        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with an NVIDIA GPU (no network needed beyond the
-# package registries): async scheduling end to end and the article's
-# measurement, with async scheduling on and off, on the locally generated tiny
-# model. Installs the GPU wheel (vllm 0.32.x) in .venv-gpu.
+# package registries): the side-by-side comparison with stock vLLM
+# (benchmarks.compare_stock: scheduler step, throughput, isolation, parked CPU,
+# smoothness, limiter) and the article's measurement, with async scheduling on
+# and off, on the locally generated tiny model. Installs the GPU wheel
+# (vllm 0.32.x) in .venv-gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L
@@ -15,9 +17,12 @@ mkdir -p "$out"
 "$VENV/bin/python" -m pytest -q tests/test_scheduler.py tests/test_limiter.py
 for mode in async sync; do
   flag=--async-scheduling; [[ $mode == sync ]] && flag=--no-async-scheduling
-  "$VENV/bin/python" -m benchmarks.article_measurement --compare-upstream \
+  "$VENV/bin/python" -m benchmarks.compare_stock "$flag" \
+    --json "$out/compare-$mode.json" | tee "$out/compare-$mode.txt"
+  "$VENV/bin/python" -m benchmarks.article_measurement \
     --server-arg="$flag" --json "$out/article-$mode.json" | tee "$out/article-$mode.txt"
 done
-# The async run must have used the async variant of the scheduler.
-python3 -c "import json,sys; r=json.load(open('$out/article-async.json')); \
-sys.exit(0 if r['scheduler']=='OutputRateAsyncScheduler' else 'async run used '+r['scheduler'])"
+# The async runs must have used the async variant of the scheduler.
+python3 -c "import json,sys; a=json.load(open('$out/article-async.json'))['scheduler']; \
+c=json.load(open('$out/compare-async.json'))['schedulers']['paced']; \
+sys.exit(0 if a==c=='OutputRateAsyncScheduler' else f'async runs used {a}, {c}')"

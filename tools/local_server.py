@@ -11,11 +11,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import httpx
 
 STARTUP_TIMEOUT_S = 420
+#: The entry-point groups vLLM filters by ``VLLM_PLUGINS`` that hold our plugins
+#: (pyproject.toml), and the packages those plugins live in.
+PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.stat_logger_plugins")
+OUR_PACKAGES = ("engine_ext", "control")
 
 
 def free_port() -> int:
@@ -61,16 +66,41 @@ class VllmServer:
                 self.process.wait(timeout=10)
 
 
-def start_server(model_dir: str, log_path: Path, extra_args: list[str]) -> VllmServer:
+def stock_plugins() -> str:
+    """A ``VLLM_PLUGINS`` value that loads every installed vLLM plugin except
+    ours. vLLM splits it on commas and loads only the names listed; an empty
+    value (``[""]``) names none."""
+    return ",".join(
+        sorted(
+            {
+                plugin.name
+                for group in PLUGIN_GROUPS
+                for plugin in entry_points(group=group)
+                if plugin.value.split(".")[0].split(":")[0] not in OUR_PACKAGES
+            }
+        )
+    )
+
+
+def start_server(
+    model_dir: str, log_path: Path, extra_args: list[str], *, stock: bool = False
+) -> VllmServer:
     """Starts the server on the tiny-model-sized defaults below plus
-    ``extra_args``, and waits until ``/health`` answers 200."""
+    ``extra_args``, and waits until ``/health`` answers 200.
+
+    ``stock=True`` starts vLLM's own server instead, with our plugins left out of
+    ``VLLM_PLUGINS`` (no hooks, no scheduler, no HTTP guard, no stat logger)."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    if stock:
+        env["VLLM_PLUGINS"] = stock_plugins()
+        launcher = ["vllm.entrypoints.openai.api_server", "--model", model_dir]
+    else:
+        launcher = ["engine_ext.serve", model_dir]
     command = [
         sys.executable,
         "-m",
-        "engine_ext.serve",
-        model_dir,
+        *launcher,
         "--host",
         "127.0.0.1",
         "--port",

@@ -1,0 +1,72 @@
+"""Pure helpers of ``benchmarks.compare_stock``: medians of interleaved repeats,
+quantiles read off a Prometheus histogram, and the printed table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: what was measured, stock's figure, ours, the ratio
+    the measure names (ours over stock's unless it says otherwise), and the
+    issue's goal (printed, never asserted)."""
+
+    measure: str
+    stock: str = ""
+    ours: str = ""
+    ratio: str = ""
+    goal: str = ""
+
+
+def ratio_of_medians(ours: Sequence[float], stock: Sequence[float]) -> float:
+    """``median(ours) / median(stock)``: each side's median over its repeats."""
+    return statistics.median(ours) / statistics.median(stock)
+
+
+def histogram_delta(
+    before: Mapping[float, float], after: Mapping[float, float]
+) -> dict[float, float]:
+    """Cumulative bucket counts (upper bound -> count) observed between two
+    scrapes of one histogram; a bucket missing before counts from zero."""
+    return {bound: count - before.get(bound, 0.0) for bound, count in after.items()}
+
+
+def bucket_quantile(cumulative: Mapping[float, float], q: float) -> float:
+    """The upper bound of the bucket that holds the ``q``-quantile of a histogram
+    given as cumulative counts (upper bound -> observations at or below it, the
+    ``+Inf`` bucket included): the smallest bound below which at least a share
+    ``q`` of the observations lie. ``q = 1`` gives the bound of the highest
+    non-empty bucket, i.e. a ceiling on the largest observation. NaN when the
+    histogram is empty."""
+    if not 0 < q <= 1:
+        raise ValueError(f"q must be in (0, 1], got {q}")
+    bounds = sorted(cumulative)
+    total = cumulative[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return math.nan
+    for bound in bounds:
+        if cumulative[bound] >= q * total:
+            return bound
+    return bounds[-1]  # float rounding: q * total a hair above the total
+
+
+def render(rows: Sequence[Row]) -> str:
+    """The rows as a fixed-width text table with a header line."""
+    header = Row("measure", "stock", "ours", "ratio", "goal")
+    cells = [header, *rows]
+    widths = [
+        max(len(getattr(row, name)) for row in cells)
+        for name in ("measure", "stock", "ours", "ratio", "goal")
+    ]
+    lines = []
+    for row in cells:
+        lines.append(
+            f"{row.measure:<{widths[0]}}  {row.stock:>{widths[1]}}  "
+            f"{row.ours:>{widths[2]}}  {row.ratio:>{widths[3]}}  {row.goal}".rstrip()
+        )
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

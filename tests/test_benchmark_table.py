@@ -1,0 +1,75 @@
+"""The pure helpers behind ``benchmarks.compare_stock``'s table: quantiles read
+off a Prometheus histogram, the delta between two scrapes, medians, rendering."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.table import (
+    Row,
+    bucket_quantile,
+    histogram_delta,
+    ratio_of_medians,
+    render,
+)
+
+INF = math.inf
+#: Cumulative counts: 10 observations, 1 at or below 0.01, 5 at or below 0.05,
+#: 9 at or below 0.1, the last above 0.5.
+HISTOGRAM = {0.01: 1.0, 0.05: 5.0, 0.1: 9.0, 0.5: 9.0, INF: 10.0}
+
+
+@pytest.mark.parametrize(
+    ("q", "bound"),
+    [
+        (0.1, 0.01),  # exactly the first bucket's share
+        (0.11, 0.05),
+        (0.5, 0.05),  # the median: 5 of 10 at or below 0.05
+        (0.51, 0.1),
+        (0.9, 0.1),
+        (0.91, INF),  # the 10th observation is above every finite bound
+        (1.0, INF),
+    ],
+)
+def test_bucket_quantile_is_the_bound_of_the_bucket_holding_it(
+    q: float, bound: float
+) -> None:
+    assert bucket_quantile(HISTOGRAM, q) == bound
+
+
+def test_bucket_quantile_of_the_maximum_skips_empty_top_buckets() -> None:
+    assert bucket_quantile({0.01: 3.0, 0.05: 4.0, 0.1: 4.0, INF: 4.0}, 1.0) == 0.05
+
+
+def test_bucket_quantile_of_an_empty_histogram_is_nan() -> None:
+    assert math.isnan(bucket_quantile({0.01: 0.0, INF: 0.0}, 0.5))
+    assert math.isnan(bucket_quantile({}, 0.5))
+
+
+@pytest.mark.parametrize("q", [0.0, -0.1, 1.01])
+def test_bucket_quantile_refuses_a_share_outside_0_1(q: float) -> None:
+    with pytest.raises(ValueError, match="q must be"):
+        bucket_quantile(HISTOGRAM, q)
+
+
+def test_histogram_delta_counts_only_what_was_observed_between_scrapes() -> None:
+    before = {0.01: 1.0, 0.05: 2.0, INF: 2.0}
+    after = {0.01: 1.0, 0.05: 6.0, 0.1: 3.0, INF: 9.0}
+    assert histogram_delta(before, after) == {0.01: 0.0, 0.05: 4.0, 0.1: 3.0, INF: 7.0}
+
+
+def test_ratio_of_medians_takes_each_sides_median() -> None:
+    assert ratio_of_medians([3.0, 1.0, 2.0, 100.0, 2.0], [1.0, 4.0, 1.0]) == 2.0
+
+
+def test_render_aligns_columns_under_a_header() -> None:
+    text = render([Row("a", "1", "2", "2.0x", "≤ 1x"), Row("longer measure", ours="3")])
+    lines = text.splitlines()
+    assert lines[0].split() == ["measure", "stock", "ours", "ratio", "goal"]
+    assert set(lines[1]) == {"-"}
+    assert lines[2].split() == ["a", "1", "2", "2.0x", "≤", "1x"]
+    assert lines[3].split() == ["longer", "measure", "3"]
+    # Right-aligned number columns: every value ends where its header ends.
+    assert lines[2].index("2.0x") + 4 == lines[0].index("ratio") + 5
