@@ -41,6 +41,7 @@ from pathlib import Path
 from control.errors import InvalidArgument
 from control.service import LimitsService
 from control.table import TableDocument, dumps, format_of, loads
+from pacing.periodic import Periodic
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -158,9 +159,7 @@ class ConfigWatcher:
         self._file = file
         self._service = service
         self._flags = flags
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = Periodic("output-rate-config-watcher", interval_s, self._tick)
         self._failures = 0
         self._successes = 0
         self.last_error: str | None = None
@@ -181,26 +180,20 @@ class ConfigWatcher:
 
     def start(self) -> None:
         """Starts polling in a daemon thread."""
-        self._thread = threading.Thread(
-            target=self._run, name="output-rate-config-watcher", daemon=True
-        )
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
         """Stops polling and waits for the thread to end."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._periodic.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                if self.poll():
-                    self._successes += 1
-                    logger.info("applied an edit of %s", self._file.path)
-            except Exception:  # keep watching whatever one poll hit
-                self._reject("unexpected error")
-                logger.exception("checking %s failed", self._file.path)
+    def _tick(self) -> None:
+        try:
+            if self.poll():
+                self._successes += 1
+                logger.info("applied an edit of %s", self._file.path)
+        except Exception:  # keep watching whatever one poll hit
+            self._reject("unexpected error")
+            logger.exception("checking %s failed", self._file.path)
 
     def _read(self) -> TableDocument | None:
         try:

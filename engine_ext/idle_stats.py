@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from pacing.periodic import Periodic
 
 # Under vLLM's logger so that its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -124,14 +125,12 @@ class IdleHeartbeat:
     ) -> None:
         self._scheduler = scheduler
         self._request = request
-        self._period_s = period_s
         self._freshness = Freshness() if metrics else None
         self._marker = HeartbeatMarker(self)
         self._outstanding = False
         self._stats_wanted = False
         self._asked_built = 0  # payloads built for our markers
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = Periodic("output-rate-idle-heartbeat", period_s, self._tick)
         self._failed = False
 
     def check(self) -> bool:
@@ -170,25 +169,19 @@ class IdleHeartbeat:
             self._outstanding = False
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name="output-rate-idle-heartbeat", daemon=True
-        )
-        self._thread.start()
+        self._periodic.start()
 
     def stop(self) -> None:
         """Stops checking and waits for the thread to end."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._periodic.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            try:
-                self.check()
-            except Exception:  # a broken check must not end the heartbeat
-                if not self._failed:
-                    logger.exception("idle heartbeat check failed")
-                    self._failed = True
+    def _tick(self) -> None:
+        try:
+            self.check()
+        except Exception:  # a broken check must not end the heartbeat
+            if not self._failed:
+                logger.exception("idle heartbeat check failed")
+                self._failed = True
 
 
 def send_stats(engine: Any) -> None:
