@@ -288,6 +288,16 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 self.output_rate_stats.failures.record()
         return stats
 
+    def awaits_asynchronous_work(self) -> bool:
+        """Whether a waiting request depends on work that completes without any
+        input reaching the engine (a structured-output grammar compiling in a
+        thread pool, a KV transfer): only a later step notices it is done."""
+        return any(
+            request.status in _ASYNC_READY
+            for queue in (self.waiting, self.kv_holding_waiting)
+            for request in queue
+        )
+
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """Lets control-plane changes end the engine's idle wait at once."""
         self.output_rate_shared.set_wake(wake)
@@ -635,6 +645,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 #: Waiting states upstream can admit in this step (others wait for a grammar,
 #: a KV transfer or streamed input).
 _STARTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+#: Waiting states that end without input to the engine (see
+#: ``awaits_asynchronous_work``); streamed input arrives as input and wakes it.
+_ASYNC_READY = (
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+)
 
 
 def _first_yielding_to(victims: list[Request], request: Request) -> Request | None:
