@@ -30,6 +30,8 @@ DEFAULT_BURST_NS = 100_000_000
 #: Rates above this are rejected as misconfiguration (no engine samples this fast
 #: for one user, and a typo like an extra few zeros should fail loudly).
 MAX_RATE = 1_000_000
+#: ``available`` for a user who is not limited: more than any step can charge.
+UNLIMITED = 2**62
 
 
 def validate_rate(rate: object, *, field: str = "rate") -> int:
@@ -127,6 +129,36 @@ class OutputRateLimiter:
             return False
         cell.scaled_tat = tat + NS_PER_S
         return True
+
+    def available(self, user: str, now_ns: int) -> int:
+        """How many tokens ``user`` may take at ``now_ns``: the number of
+        consecutive ``try_take`` calls that would succeed (``UNLIMITED`` when
+        the user is not limited). Changes nothing.
+
+        The k-th take succeeds iff ``TAT + (k-1)*T - now <= burst``, so the
+        answer is ``(now + burst - TAT) // T + 1``, or 0 when that is negative.
+        """
+        rate = self.rate_of(user)
+        if rate == 0:
+            return UNLIMITED
+        if user in self._cells:
+            tat = self._cell(user, rate, now_ns).scaled_tat
+        else:  # where try_take would create the cell, without creating it
+            tat = max(now_ns, self._cleaned_at_ns or now_ns) * rate
+        scaled_now = now_ns * rate
+        slack = scaled_now + self._burst_ns * rate - max(tat, scaled_now)
+        return slack // NS_PER_S + 1 if slack >= 0 else 0
+
+    def take(self, user: str, count: int, now_ns: int) -> None:
+        """Charges ``count`` tokens at once, exactly as ``count`` successful
+        ``try_take`` calls would. Callers ask ``available`` first; a larger
+        ``count`` is charged anyway (the limit is a ceiling: charge more, never
+        less)."""
+        rate = self.rate_of(user)
+        if rate == 0 or count <= 0:
+            return
+        cell = self._cell(user, rate, now_ns)
+        cell.scaled_tat = max(cell.scaled_tat, now_ns * rate) + count * NS_PER_S
 
     def refund(self, user: str, now_ns: int) -> None:
         """Gives back one token charged to ``user`` (a charged step that was not

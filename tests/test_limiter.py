@@ -26,6 +26,7 @@ from pacing.limiter import (
     DEFAULT_BURST_NS,
     MAX_RATE,
     NS_PER_S,
+    UNLIMITED,
     OutputRateLimiter,
 )
 
@@ -810,3 +811,99 @@ def test_the_boundary_rates_are_accepted() -> None:
         MAX_RATE,
         MAX_RATE,
     )
+
+
+# --------------------------------------------------------------------------
+# Many tokens at once: available / take (the scheduler's per-user operations)
+# --------------------------------------------------------------------------
+
+
+def takes_in_a_row(lim: OutputRateLimiter, user: str, now: int, most: int) -> int:
+    """How many ``try_take`` calls succeed back to back (on a copy)."""
+    probe = copy.deepcopy(lim)
+    count = 0
+    while count < most and probe.try_take(user, now):
+        count += 1
+    return count
+
+
+@FAST
+@given(
+    default=small_rates,
+    b_rate=small_rates,
+    start=st.integers(-(10**15), 10**15),
+    script=mixed_ops,
+)
+def test_available_is_the_number_of_takes_that_succeed_in_a_row(
+    default: int, b_rate: int, start: int, script: list
+) -> None:
+    lim = OutputRateLimiter(default, {"b": b_rate})
+    now = start
+    for i, (kind, user, gap, rate, clean) in enumerate(script, start=1):
+        now += gap
+        if clean:
+            lim.cleanup_idle_users(now)
+        tracked = lim.tracked_users()
+        most = lim.available(user, now)
+        assert lim.tracked_users() == tracked  # reading creates no user
+        assert takes_in_a_row(lim, user, now, most + 1) == most, f"step {i}"
+        if kind == "take":
+            lim.try_take(user, now)
+        elif kind == "refund":
+            lim.refund(user, now)
+        elif kind == "set_rate":
+            lim.set_rate(user, rate, now)
+        elif kind == "set_default":
+            lim.set_default_rate(rate, now)
+
+
+def test_available_does_not_create_a_user() -> None:
+    lim = OutputRateLimiter(10, {})
+    assert lim.available("a", t0) == B * 10 // NS_PER_S + 1  # a full bucket: 2
+    assert lim.tracked_users() == 0
+
+
+def test_available_is_unlimited_without_a_default_rate() -> None:
+    lim = OutputRateLimiter(None, {"a": 1})
+    assert lim.available("a", t0) == UNLIMITED
+
+
+@FAST
+@given(
+    default=small_rates,
+    start=st.integers(-(10**15), 10**15),
+    script=mixed_ops,
+    counts=st.lists(st.integers(0, 40), min_size=120, max_size=120),
+)
+def test_take_of_n_is_n_successful_try_takes(
+    default: int, start: int, script: list, counts: list[int]
+) -> None:
+    """Taking ``n <= available`` at once leaves exactly the state of ``n``
+    single takes (every later answer agrees)."""
+    batched = OutputRateLimiter(default, {})
+    single = OutputRateLimiter(default, {})
+    now = start
+    for i, ((kind, user, gap, rate, _), count) in enumerate(
+        zip(script, counts, strict=False), start=1
+    ):
+        now += gap
+        if kind == "take":
+            n = min(count, batched.available(user, now))
+            batched.take(user, n, now)
+            for _ in range(n):
+                assert single.try_take(user, now), f"step {i}"
+        elif kind == "set_default":
+            batched.set_default_rate(rate, now)
+            single.set_default_rate(rate, now)
+        for u in USERS:
+            got = (batched.ready_at_ns(u, now), batched.lead_ns(u, now))
+            want = (single.ready_at_ns(u, now), single.lead_ns(u, now))
+            assert got == want, f"step {i}: {u!r} {got} vs {want}"
+
+
+def test_take_beyond_available_still_charges_every_token() -> None:
+    lim = OutputRateLimiter(10, {})
+    lim.take("a", 5, t0)  # 2 available: 3 more are charged as debt
+    assert lim.lead_ns("a", t0) == 500 * MS
+    assert lim.available("a", t0) == 0
+    assert lim.ready_at_ns("a", t0) == t0 + 400 * MS
