@@ -86,6 +86,10 @@ class OutputRateLimiter:
         #: Latest ``cleanup_idle_users`` time: a cell re-created for an earlier
         #: ``now`` starts there, so cleaning never hands out budget.
         self._cleaned_at_ns: int | None = None
+        #: Bumped by every change of a limit: a user's budget can shrink only by
+        #: taking tokens or by such a change (what callers caching "has budget"
+        #: answers across calls need to know).
+        self.limit_changes = 0
 
     @property
     def enabled(self) -> bool:
@@ -202,6 +206,8 @@ class OutputRateLimiter:
         """
         if rate is not None:
             validate_rate(rate, field=f"rate of user {user!r}")
+        self.limit_changes += 1
+        if rate is not None:
             self._user_rates[user] = rate
         else:
             self._user_rates.pop(user, None)
@@ -211,6 +217,7 @@ class OutputRateLimiter:
         """Sets the default limit (turning limiting on); users with an explicit
         limit are unaffected, the others keep their token debt as in ``set_rate``."""
         validate_rate(rate, field="default_rate")
+        self.limit_changes += 1
         self._default_rate = rate
         for user in list(self._cells):
             if user not in self._user_rates:
