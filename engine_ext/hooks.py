@@ -54,9 +54,17 @@ if TYPE_CHECKING:
 
     from engine_ext.scheduler import OutputRateSchedulerMixin
 
-#: Upper bound of one idle wait: lets the engine notice asynchronously-ready work
-#: (a compiled structured-output grammar, say) that does not arrive as input.
-IDLE_WAIT_CAP_S = 0.05
+#: Upper bound of one idle wait while a waiting request depends on work that
+#: finishes without input (a structured-output grammar compiling, say): only a
+#: step notices it is done, so the engine looks this often.
+ASYNC_WORK_WAIT_CAP_S = 0.05
+#: Upper bound of any other idle wait. All else that can let a step run a model
+#: ends the wait at once (requests, aborts, the idle heartbeat's marker,
+#: control-plane changes), and when the limiter next has budget is known, so
+#: this only bounds the stall of a wake that some path fails to send. One empty
+#: step a second is negligible; 20 a second (a 50 ms cap) were most of a parked
+#: engine's CPU.
+IDLE_WAIT_CAP_S = 1.0
 
 HTTP_GUARD = "engine_ext.http_guard.OutputRateRequestGuard"
 _HOOKED = "__output_rate_hook__"
@@ -216,12 +224,18 @@ def _enable_metrics_transport(
 
 def idle_wait_timeout_s(scheduler: object, now_ns: int) -> float | None:
     """How long the engine may block after a step that ran no model: until the
-    earliest refused user has budget again, at most ``IDLE_WAIT_CAP_S``; ``None``
-    when the scheduler is not waiting on the limiter."""
+    earliest refused user has budget again, at most ``ASYNC_WORK_WAIT_CAP_S``
+    while a waiting request awaits asynchronous work and ``IDLE_WAIT_CAP_S``
+    otherwise; ``None`` when the scheduler is not waiting on the limiter."""
     ready_ns: int | None = getattr(scheduler, "next_ready_ns", None)
     if ready_ns is None:
         return None
-    return min(IDLE_WAIT_CAP_S, max(0, ready_ns - now_ns) / 1e9)
+    # Only our scheduler sets next_ready_ns.
+    paced = cast("OutputRateSchedulerMixin", scheduler)
+    cap_s = (
+        ASYNC_WORK_WAIT_CAP_S if paced.awaits_asynchronous_work() else IDLE_WAIT_CAP_S
+    )
+    return min(cap_s, max(0, ready_ns - now_ns) / 1e9)
 
 
 def _wake_engine(engine: EngineCoreProc) -> None:

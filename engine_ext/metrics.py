@@ -62,8 +62,10 @@ ENTRY_POINT_NAME = "output_rate"
 ENTRY_POINT_VALUE = "engine_ext.metrics:OutputRateStatLogger"
 STAT_LOGGER_PLUGINS_GROUP = "vllm.stat_logger_plugins"
 
-#: Idle waits are capped at 50 ms (``hooks.IDLE_WAIT_CAP_S``); finer buckets below.
-IDLE_WAIT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05)
+#: An idle wait lasts until a user has budget again (1/limit s for a user's
+#: next token), at most 1 s (``hooks.IDLE_WAIT_CAP_S``), or 50 ms while a
+#: grammar compiles (``hooks.ASYNC_WORK_WAIT_CAP_S``): log-spaced buckets to 1 s.
+IDLE_WAIT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 #: Exported names (counters as exposed, with ``_total``).
 TOKENS_CHARGED = "vllm:output_rate_tokens_charged_total"

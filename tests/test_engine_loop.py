@@ -12,8 +12,10 @@ import time
 
 import grpc
 import pytest
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from control.plugin import register as register_control_plane
@@ -59,11 +61,44 @@ def test_the_hooks_are_installed_on_the_engine_core(name):
     assert getattr(EngineCoreProc.__dict__[name], "__output_rate_hook__", False)
 
 
-def test_timeout_is_the_earliest_ready_time_capped_at_50_ms(tiny_model_dir):
-    scheduler, now = throttled_scheduler(tiny_model_dir, wait_s=0.02)
-    assert hooks.idle_wait_timeout_s(scheduler, now) == pytest.approx(0.02)
-    assert hooks.idle_wait_timeout_s(scheduler, now - 10**9) == hooks.IDLE_WAIT_CAP_S
+def test_with_every_stream_parked_the_wait_lasts_until_a_user_has_budget(
+    tiny_model_dir,
+):
+    # Far beyond the 50 ms a compiling grammar allows: no empty steps meanwhile.
+    scheduler, now = throttled_scheduler(tiny_model_dir, wait_s=0.4)
+    assert not scheduler.awaits_asynchronous_work()
+    assert hooks.idle_wait_timeout_s(scheduler, now) == pytest.approx(0.4)
     assert hooks.idle_wait_timeout_s(scheduler, scheduler.next_ready_ns + 5) == 0
+
+
+def test_a_missed_wake_stalls_the_engine_at_most_the_idle_wait_cap(tiny_model_dir):
+    scheduler, now = throttled_scheduler(tiny_model_dir, wait_s=30.0)
+    assert hooks.idle_wait_timeout_s(scheduler, now) == hooks.IDLE_WAIT_CAP_S
+
+
+def test_while_a_grammar_compiles_the_engine_looks_again_within_50_ms(
+    tiny_model_dir,
+):
+    scheduler, now = throttled_scheduler(tiny_model_dir, wait_s=0.4)
+    json_only = StructuredOutputsParams(json={"type": "object"})
+    request = Request(
+        request_id="grammar",
+        prompt_token_ids=[10, 11, 12, 13],
+        sampling_params=SamplingParams(max_tokens=5, structured_outputs=json_only),
+        pooling_params=None,
+    )
+    # As added by the engine, before the grammar compiled in its thread pool.
+    assert request.status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    scheduler.add_request(request)
+    assert not scheduler.schedule().num_scheduled_tokens  # no grammar, no budget
+    assert scheduler.awaits_asynchronous_work()
+    assert scheduler.next_ready_ns is not None
+    now = scheduler.next_ready_ns - int(0.4e9)
+    assert hooks.ASYNC_WORK_WAIT_CAP_S == 0.05
+    assert hooks.idle_wait_timeout_s(scheduler, now) == hooks.ASYNC_WORK_WAIT_CAP_S
+    # A user ready sooner than that still ends the wait first.
+    soon = scheduler.next_ready_ns - int(0.02e9)
+    assert hooks.idle_wait_timeout_s(scheduler, soon) == pytest.approx(0.02)
 
 
 def test_no_wait_when_the_scheduler_is_not_waiting_on_the_limiter(tiny_model_dir):
@@ -104,6 +139,19 @@ def test_idle_wait_times_out_without_input(tiny_model_dir, monkeypatch):
     hooks._process_engine_step(lambda _: False, engine)
     assert time.monotonic() - started >= 0.025
     assert engine.handled == []
+
+
+def test_a_control_plane_change_ends_the_idle_wait_at_once(tiny_model_dir, monkeypatch):
+    # What makes waits of up to IDLE_WAIT_CAP_S safe: a new limit wakes the engine.
+    monkeypatch.setattr(hooks, "IDLE_WAIT_CAP_S", 10.0)
+    scheduler, ready_in = throttled_scheduler(tiny_model_dir, wait_s=10.0)
+    monkeypatch.setattr(hooks.time, "monotonic_ns", lambda: ready_in)
+    engine = EngineLoopStandIn(scheduler)
+    threading.Timer(0.2, scheduler.output_rate_shared.wake).start()
+    started = time.monotonic()
+    hooks._process_engine_step(lambda _: False, engine)
+    assert time.monotonic() - started < 5.0
+    assert engine.handled == [(EngineCoreRequestType.WAKEUP, None)]
 
 
 def test_no_wait_after_a_step_that_ran_the_model(tiny_model_dir):
