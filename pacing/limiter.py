@@ -17,36 +17,36 @@ advancing by ``1/rate`` seconds is adding exactly ``NS_PER_S``: integers only, n
 rounding drift however long a user streams. Python ints never overflow, which is why
 scaled values must not leave the process (see the control plane's duration fields).
 
+Which rate applies to a user (its own limit, its tier's, an exemption or the
+default) is ``pacing.limits``' concern; the limiter keeps that table and, on every
+change, rescales the state of the users it affects (see ``set_rate``).
+
 The limiter never reads a clock: ``now_ns`` comes in with every call (a monotonic
 clock in nanoseconds). It is not thread-safe; its owner serialises access.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from pacing.limits import MAX_RATE, OFF, LimitSource, LimitTable, validate_rate
+
+__all__ = [
+    "DEFAULT_BURST_NS",
+    "MAX_RATE",
+    "NS_PER_S",
+    "UNLIMITED",
+    "LimitSource",
+    "LimitTable",
+    "OutputRateLimiter",
+    "validate_rate",
+]
 
 NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000
-#: Rates above this are rejected as misconfiguration (no engine samples this fast
-#: for one user, and a typo like an extra few zeros should fail loudly).
-MAX_RATE = 1_000_000
 #: ``available`` for a user who is not limited: more than any step can charge.
 UNLIMITED = 2**62
-
-
-def validate_rate(rate: object, *, field: str = "rate") -> int:
-    """Return ``rate`` if it is a valid tokens-per-second limit, else raise ValueError.
-
-    Valid: an ``int`` (not ``bool``) in ``1..MAX_RATE``.
-    """
-    if isinstance(rate, bool) or not isinstance(rate, int):
-        raise ValueError(
-            f"{field} must be a positive integer (tokens per second), "
-            f"got {rate!r} of type {type(rate).__name__}"
-        )
-    if not 1 <= rate <= MAX_RATE:
-        raise ValueError(f"{field} must be between 1 and {MAX_RATE}, got {rate}")
-    return rate
 
 
 @dataclass
@@ -61,26 +61,37 @@ class OutputRateLimiter:
     """Per-user GCRA limiter for output tokens; one budget shared by all of a
     user's requests.
 
-    ``default_rate=None`` means the feature is off: every ``try_take`` succeeds.
-    ``user_rates`` overrides the default for named users.
+    ``default_rate=None`` means the feature is off: every ``try_take`` succeeds
+    (the table is kept, and applies once a default is set). ``user_rates``
+    overrides the default for named users; ``tier_rates``, ``memberships``,
+    ``exempt_users`` and ``exempt_tiers`` complete the table (``pacing.limits``
+    says how a user's limit is resolved). An exempt user is never throttled and
+    holds no GCRA state.
     """
 
     def __init__(
         self,
         default_rate: int | None,
-        user_rates: dict[str, int],
+        user_rates: Mapping[str, int],
         burst_ns: int = DEFAULT_BURST_NS,
+        *,
+        tier_rates: Mapping[str, int] | None = None,
+        memberships: Mapping[str, str] | None = None,
+        exempt_users: Iterable[str] = (),
+        exempt_tiers: Iterable[str] = (),
     ) -> None:
         if default_rate is not None:
             validate_rate(default_rate, field="default_rate")
-        for user, rate in user_rates.items():
-            validate_rate(rate, field=f"rate of user {user!r}")
         if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns < 0:
             raise ValueError(
                 f"burst_ns must be a non-negative integer, got {burst_ns!r}"
             )
         self._default_rate = default_rate
-        self._user_rates = dict(user_rates)
+        self._limits = LimitTable(
+            user_rates, tier_rates, memberships, exempt_users, exempt_tiers
+        )
+        #: The table's compiled resolution: one dict lookup per ``rate_of``.
+        self._overrides = self._limits.overrides
         self._burst_ns = burst_ns
         self._cells: dict[str, _Cell] = {}
         #: Latest ``cleanup_idle_users`` time: a cell re-created for an earlier
@@ -106,19 +117,51 @@ class OutputRateLimiter:
 
     @property
     def user_rates(self) -> dict[str, int]:
-        """A copy of the explicit per-user limits."""
-        return dict(self._user_rates)
+        """A copy of the explicit per-user limits (not those users get from a
+        tier, and with no entry for an exemption)."""
+        return self._limits.user_rates
+
+    @property
+    def tier_rates(self) -> dict[str, int]:
+        """A copy of the tiers' rates (an exempt tier may have none)."""
+        return self._limits.tier_rates
+
+    @property
+    def memberships(self) -> dict[str, str]:
+        """A copy of user -> tier."""
+        return self._limits.memberships
+
+    @property
+    def exempt_users(self) -> frozenset[str]:
+        return self._limits.exempt_users
+
+    @property
+    def exempt_tiers(self) -> frozenset[str]:
+        return self._limits.exempt_tiers
+
+    def limits(self) -> LimitTable:
+        """A copy of the limit table (without the default rate); edit it and
+        pass it to ``replace_limits`` to apply many changes at once."""
+        return self._limits.copy()
 
     def tracked_users(self) -> int:
         """How many users currently hold GCRA state."""
         return len(self._cells)
 
     def rate_of(self, user: str) -> int:
-        """The limit that applies to ``user`` in tokens/s; 0 when limiting is off
-        (explicit limits are kept but apply only while a default is set)."""
+        """The limit that applies to ``user`` in tokens/s; 0 when ``user`` is not
+        limited: limiting is off (the table is kept but applies only while a
+        default is set) or ``user`` is exempt."""
         if self._default_rate is None:
             return 0
-        return self._user_rates.get(user, self._default_rate)
+        return self._overrides.get(user, self._default_rate)
+
+    def limit_source(self, user: str) -> LimitSource:
+        """Where ``rate_of(user)`` comes from: ``"off"`` while there is no default
+        rate, else the rule of ``pacing.limits`` that decides."""
+        if self._default_rate is None:
+            return OFF
+        return self._limits.source(user)
 
     def try_take(self, user: str, now_ns: int) -> bool:
         """Reports whether ``user`` may output one token at ``now_ns``, and if so
@@ -148,7 +191,7 @@ class OutputRateLimiter:
         if user in self._cells:
             tat = self._cell(user, rate, now_ns).scaled_tat
         else:  # where try_take would create the cell, without creating it
-            tat = max(now_ns, self._cleaned_at_ns or now_ns) * rate
+            tat = self._start_ns(now_ns) * rate
         scaled_now = now_ns * rate
         slack = scaled_now + self._burst_ns * rate - max(tat, scaled_now)
         return slack // NS_PER_S + 1 if slack >= 0 else 0
@@ -180,8 +223,10 @@ class OutputRateLimiter:
         succeeds: ``TAT - burst`` rounded up to the next whole nanosecond."""
         rate = self.rate_of(user)
         cell = self._cells.get(user)
-        if rate == 0 or cell is None:
+        if rate == 0:
             return now_ns
+        if cell is None:  # where try_take would start it
+            return max(now_ns, self._start_ns(now_ns) - self._burst_ns)
         cell = self._cell(user, rate, now_ns)
         ready = -(-(cell.scaled_tat - self._burst_ns * rate) // rate)  # ceil division
         return max(ready, now_ns)
@@ -191,37 +236,67 @@ class OutputRateLimiter:
         full), rounded up."""
         rate = self.rate_of(user)
         cell = self._cells.get(user)
-        if rate == 0 or cell is None:
+        if rate == 0:
             return 0
+        if cell is None:  # where try_take would start it
+            return self._start_ns(now_ns) - now_ns
         cell = self._cell(user, rate, now_ns)
         return max(0, -(-(cell.scaled_tat - now_ns * rate) // rate))
 
     def set_rate(self, user: str, rate: int | None, now_ns: int) -> None:
-        """Sets ``user``'s explicit limit; ``None`` removes it (the default applies).
+        """Sets ``user``'s explicit limit; ``None`` removes it (its tier's rate or
+        the default applies).
 
         The user's token debt is kept: ``new scaled TAT = now*r' + max(0, TAT*r -
         now*r)``. The debt ``TAT*r - now*r`` counts owed tokens (times ``NS_PER_S``)
         and does not depend on the rate, so raising a limit pays the debt off
-        faster at once, and lowering one grants no fresh burst.
+        faster at once, and lowering one grants no fresh burst. Every change of
+        the table below works the same way for each user whose limit it changes;
+        a user who becomes exempt loses its state, and one whose exemption is
+        lifted starts afresh, with at most a full bucket.
         """
-        if rate is not None:
-            validate_rate(rate, field=f"rate of user {user!r}")
-        self.limit_changes += 1
-        if rate is not None:
-            self._user_rates[user] = rate
-        else:
-            self._user_rates.pop(user, None)
-        self._rescale(user, now_ns)
+        self._apply(self._limits.set_user_rate(user, rate), now_ns)
+
+    def set_user_exempt(self, user: str, exempt: bool, now_ns: int) -> None:
+        """Marks ``user`` unlimited (whatever its own limit or tier), or lifts the
+        mark; see ``set_rate`` for what happens to its state."""
+        self._apply(self._limits.set_user_exempt(user, exempt), now_ns)
+
+    def set_membership(self, user: str, tier: str | None, now_ns: int) -> None:
+        """Moves ``user`` into ``tier`` (``None``: out of any tier), keeping its
+        token debt; raises ValueError for a tier that does not exist."""
+        self._apply(self._limits.set_membership(user, tier), now_ns)
+
+    def set_tier_rate(self, tier: str, rate: int | None, now_ns: int) -> None:
+        """Sets ``tier``'s rate, creating the tier; ``None`` removes the rate (and
+        the tier, unless exempt; refused with ValueError while it has members).
+        Every member without a limit of its own keeps its token debt at the new
+        pace, as in ``set_rate``."""
+        self._apply(self._limits.set_tier_rate(tier, rate), now_ns)
+
+    def set_tier_exempt(self, tier: str, exempt: bool, now_ns: int) -> None:
+        """Marks ``tier`` unlimited (creating it if needed) or lifts the mark,
+        which removes a tier without a rate (refused with ValueError while it has
+        members). Members with a limit of their own are not affected."""
+        self._apply(self._limits.set_tier_exempt(tier, exempt), now_ns)
+
+    def replace_limits(self, limits: LimitTable, now_ns: int) -> None:
+        """Makes ``limits`` the limit table (the limiter takes it over; the
+        default rate is not part of it), as if every difference had been set one
+        by one at ``now_ns``: all at once or, the table being valid, not at all."""
+        self._limits = limits
+        self._overrides = limits.overrides
+        self._apply(list(self._cells), now_ns)
 
     def set_default_rate(self, rate: int, now_ns: int) -> None:
         """Sets the default limit (turning limiting on); users with an explicit
-        limit are unaffected, the others keep their token debt as in ``set_rate``."""
+        limit, a tier or an exemption are unaffected, the others keep their token
+        debt as in ``set_rate``."""
         validate_rate(rate, field="default_rate")
-        self.limit_changes += 1
         self._default_rate = rate
-        for user in list(self._cells):
-            if user not in self._user_rates:
-                self._rescale(user, now_ns)
+        self._apply(
+            [user for user in self._cells if user not in self._overrides], now_ns
+        )
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Drops users whose TAT is not ahead of ``now_ns`` and returns how many.
@@ -229,7 +304,8 @@ class OutputRateLimiter:
         A dropped user who returns starts at ``TAT = now``, exactly what the kept
         state would give (``max(TAT, now)``), so cleaning never changes behaviour.
         (Should a later call carry an earlier ``now``, the user starts at the
-        cleaning time instead: stricter, never looser.)
+        cleaning time instead: stricter, never looser; ``available``,
+        ``ready_at_ns`` and ``lead_ns`` answer accordingly.)
         """
         idle = [
             user
@@ -242,6 +318,11 @@ class OutputRateLimiter:
             self._cleaned_at_ns = now_ns
         return len(idle)
 
+    def _start_ns(self, now_ns: int) -> int:
+        """The TAT of a user without state, created at ``now_ns``."""
+        cleaned = self._cleaned_at_ns
+        return now_ns if cleaned is None or cleaned < now_ns else cleaned
+
     def _cell(self, user: str, rate: int, now_ns: int) -> _Cell:
         """Returns ``user``'s cell stored under ``rate``, creating or rescaling it.
 
@@ -249,7 +330,7 @@ class OutputRateLimiter:
         """
         cell = self._cells.get(user)
         if cell is None:
-            start_ns = max(now_ns, self._cleaned_at_ns or now_ns)
+            start_ns = self._start_ns(now_ns)
             cell = self._cells[user] = _Cell(scaled_tat=start_ns * rate, rate=rate)
         elif cell.rate != rate:
             debt = max(0, cell.scaled_tat - now_ns * cell.rate)
@@ -257,7 +338,14 @@ class OutputRateLimiter:
             cell.rate = rate
         return cell
 
-    def _rescale(self, user: str, now_ns: int) -> None:
-        rate = self.rate_of(user)
-        if user in self._cells and rate > 0:
-            self._cell(user, rate, now_ns)
+    def _apply(self, users: Iterable[str], now_ns: int) -> None:
+        """Counts a change of limits (``limit_changes``) and brings ``users``'
+        state in line with their limit at ``now_ns``: rescaled (debt kept), or
+        dropped for a user no longer limited."""
+        self.limit_changes += 1
+        for user in users:
+            rate = self.rate_of(user)
+            if rate == 0:
+                self._cells.pop(user, None)
+            elif user in self._cells:
+                self._cell(user, rate, now_ns)

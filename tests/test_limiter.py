@@ -16,7 +16,8 @@ from __future__ import annotations
 import bisect
 import copy
 import re
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import given, settings
@@ -27,6 +28,8 @@ from pacing.limiter import (
     MAX_RATE,
     NS_PER_S,
     UNLIMITED,
+    LimitSource,
+    LimitTable,
     OutputRateLimiter,
 )
 
@@ -907,3 +910,326 @@ def test_take_beyond_available_still_charges_every_token() -> None:
     assert lim.lead_ns("a", t0) == 500 * MS
     assert lim.available("a", t0) == 0
     assert lim.ready_at_ns("a", t0) == t0 + 400 * MS
+
+
+# --------------------------------------------------------------------------
+# Tiers and exemptions: which limit applies (pacing.limits)
+# --------------------------------------------------------------------------
+
+TABLE = {
+    "user_rates": {"pinned": 5, "staff-pinned": 7, "exempt-pinned": 3},
+    "tier_rates": {"free": 20, "pro": 200, "staff": 50},
+    "memberships": {
+        "f": "free",
+        "p": "pro",
+        "pinned": "free",
+        "s": "staff",
+        "i": "internal",
+        "staff-pinned": "staff",
+        "e": "free",
+    },
+    "exempt_users": {"e", "exempt-pinned"},
+    "exempt_tiers": {"staff", "internal"},
+}
+
+# Default 10 tok/s. The rule numbers are those of pacing.limits' docstring.
+#
+#    user             rate  limit_source                         rule
+RESOLUTION = [
+    ("nobody",        10,  LimitSource("default")),            # 5
+    ("f",             20,  LimitSource("tier", "free")),       # 4
+    ("p",             200, LimitSource("tier", "pro")),        # 4
+    ("pinned",        5,   LimitSource("user")),               # 2 before 4
+    ("s",             0,   LimitSource("exempt", "staff")),    # 3 before 4 (50 kept)
+    ("i",             0,   LimitSource("exempt", "internal")), # 3, a tier with no rate
+    ("staff-pinned",  7,   LimitSource("user")),               # 2 before 3
+    ("e",             0,   LimitSource("exempt")),             # 1 before 4
+    ("exempt-pinned", 0,   LimitSource("exempt")),             # 1 before 2
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("user", "rate", "source"), RESOLUTION, ids=repr)
+def test_the_first_matching_rule_decides_a_users_limit(
+    user: str, rate: int, source: LimitSource
+) -> None:
+    lim = OutputRateLimiter(10, TABLE["user_rates"], **without_user_rates(TABLE))
+    assert (lim.rate_of(user), lim.limit_source(user)) == (rate, source)
+    full_bucket = B * rate // NS_PER_S + 1
+    assert lim.available(user, t0) == (UNLIMITED if rate == 0 else full_bucket)
+
+
+@pytest.mark.parametrize(("user", "rate", "source"), RESOLUTION, ids=repr)
+def test_without_a_default_rate_nobody_is_limited_whatever_the_table(
+    user: str, rate: int, source: LimitSource
+) -> None:
+    lim = OutputRateLimiter(None, TABLE["user_rates"], **without_user_rates(TABLE))
+    assert (lim.rate_of(user), lim.limit_source(user)) == (0, LimitSource("off"))
+    assert lim.available(user, t0) == UNLIMITED
+    assert all(lim.try_take(user, t0) for _ in range(10))
+    assert lim.tracked_users() == 0
+    # The table is kept and applies once a default is set.
+    lim.set_default_rate(10, t0)
+    assert (lim.rate_of(user), lim.limit_source(user)) == (rate, source)
+
+
+def without_user_rates(table: dict) -> dict:
+    return {k: v for k, v in table.items() if k != "user_rates"}
+
+
+@pytest.mark.parametrize("user", ["s", "i", "e", "exempt-pinned"])
+def test_an_exempt_user_is_always_granted_and_holds_no_state(user: str) -> None:
+    lim = OutputRateLimiter(10, TABLE["user_rates"], **without_user_rates(TABLE))
+    assert all(lim.try_take(user, t0) for _ in range(1000))
+    lim.refund(user, t0)
+    assert lim.available(user, t0) == UNLIMITED
+    assert (lim.ready_at_ns(user, t0), lim.lead_ns(user, t0)) == (t0, 0)
+    assert lim.tracked_users() == 0
+
+
+class TierStep(NamedTuple):
+    """One step of a tier golden table: do ``op`` on ``target`` (a user or a
+    tier) at ``now``, then read user ``ann``'s state at ``now``."""
+
+    op: str  # take | user_rate | user_exempt | member | tier_rate | tier_exempt
+    #          | default | cleanup
+    target: str
+    now: int
+    arg: object  # the rate, flag or tier; None for take and cleanup
+    want: object  # what the op returns, or the exception type it raises
+    rate: int  # rate_of("ann") after the op
+    source: str  # limit_source("ann") after the op: kind, or kind:tier
+    lead: int  # lead_ns("ann", now) after the op
+    avail: int  # available("ann", now) after the op
+    tracked: int  # tracked_users() after the op
+
+
+def apply_tier_step(lim: OutputRateLimiter, s: TierStep) -> object:
+    arg: Any = s.arg
+    ops: dict[str, Callable[[], object]] = {
+        "take": lambda: lim.try_take(s.target, s.now),
+        "user_rate": lambda: lim.set_rate(s.target, arg, s.now),
+        "user_exempt": lambda: lim.set_user_exempt(s.target, arg, s.now),
+        "member": lambda: lim.set_membership(s.target, arg, s.now),
+        "tier_rate": lambda: lim.set_tier_rate(s.target, arg, s.now),
+        "tier_exempt": lambda: lim.set_tier_exempt(s.target, arg, s.now),
+        "default": lambda: lim.set_default_rate(arg, s.now),
+        "cleanup": lambda: lim.cleanup_idle_users(s.now),
+    }
+    if isinstance(s.want, type) and issubclass(s.want, Exception):
+        with pytest.raises(s.want):
+            ops[s.op]()
+        return s.want
+    return ops[s.op]()
+
+
+def run_tier_table(lim: OutputRateLimiter, steps: list[TierStep]) -> None:
+    """Walks ``steps`` in order; a mismatch names the step (1-based) and its time."""
+    for i, s in enumerate(steps, start=1):
+        result = apply_tier_step(lim, s)
+        source = lim.limit_source("ann")
+        got = (
+            result,
+            lim.rate_of("ann"),
+            source.kind if source.tier is None else f"{source.kind}:{source.tier}",
+            lim.lead_ns("ann", s.now),
+            lim.available("ann", s.now),
+            lim.tracked_users(),
+        )
+        want = (s.want, s.rate, s.source, s.lead, s.avail, s.tracked)
+        assert got == want, (
+            f"step {i}: {s.op}({s.target!r}, {at(s.now)}, arg={s.arg!r}) "
+            f"-> (result, rate, source, lead, available, tracked) = {got}, "
+            f"want {want}"
+        )
+
+
+U = UNLIMITED
+S = TierStep
+E = ValueError
+# Default 10 tok/s; tiers free 10, pro 40; ann starts in free. A full bucket is
+# B * rate + 1 tokens: 2 at 10/s, 3 at 20/s, 5 at 40/s.
+#
+#   op             target now arg     -> result rate source       lead  avail tracked
+TIER_STEPS = [
+    S("take",        "ann",  t0, None,   True, 10, "tier:free",  100 * MS, 1, 1),  # 1
+    S("take",        "ann",  t0, None,   True, 10, "tier:free",  200 * MS, 0, 1),  # 2
+    # The tier's rate doubles: ann's 2 tokens of debt (200 ms) are 100 ms at 20/s.
+    S("tier_rate",   "free", t0, 20,     None, 20, "tier:free",  100 * MS, 1, 1),  # 3
+    S("take",        "ann",  t0, None,   True, 20, "tier:free",  150 * MS, 0, 1),  # 4
+    # A move keeps the debt too: 2 tokens (100 ms at 20/s) are 50 ms at 40/s.
+    S("member",      "ann",  t1, "pro",  None, 40, "tier:pro",   50 * MS,  3, 1),  # 5
+    # Her own limit wins over the tier: 2 tokens at 5/s are 400 ms ...
+    S("user_rate",   "ann",  t1, 5,      None, 5,  "user",       400 * MS, 0, 1),  # 6
+    # ... and over the tier's exemption.
+    S("tier_exempt", "pro",  t1, True,   None, 5,  "user",       400 * MS, 0, 1),  # 7
+    # Without it the exempt tier frees her, and her state is dropped.
+    S("user_rate",   "ann",  t1, None,   None, 0,  "exempt:pro", 0,        U, 0),  # 8
+    S("take",        "ann",  t1, None,   True, 0,  "exempt:pro", 0,        U, 0),  # 9
+    # Lifting the exemption starts her afresh: a full bucket, no more.
+    S("tier_exempt", "pro",  t2, False,  None, 40, "tier:pro",   0,        5, 0),  # 10
+    S("take",        "ann",  t2, None,   True, 40, "tier:pro",   25 * MS,  4, 1),  # 11
+    # Her own exemption wins over everything.
+    S("user_exempt", "ann",  t2, True,   None, 0,  "exempt",     0,        U, 0),  # 12
+    S("user_exempt", "ann",  t3, False,  None, 40, "tier:pro",   0,        5, 0),  # 13
+    S("member",      "ann",  t3, None,   None, 10, "default",    0,        2, 0),  # 14
+    S("take",        "ann",  t3, None,   True, 10, "default",    100 * MS, 1, 1),  # 15
+    # The default moves her (1 token: 100 ms -> 50 ms), not the tier members.
+    S("default",     "",     t3, 20,     None, 20, "default",    50 * MS,  2, 1),  # 16
+    S("member",      "bob",  t3, "free", None, 20, "default",    50 * MS,  2, 1),  # 17
+    # A tier with members cannot be removed, nor a missing tier joined.
+    S("tier_rate",   "free", t3, None,   E,    20, "default",    50 * MS,  2, 1),  # 18
+    S("member",      "ann",  t3, "gold", E,    20, "default",    50 * MS,  2, 1),  # 19
+    S("cleanup",     "",     t4, None,   1,    20, "default",    0,        3, 0),  # 20
+]  # fmt: skip
+
+
+def test_tier_golden_table_on_the_time_grid() -> None:
+    lim = OutputRateLimiter(10, {}, tier_rates={"free": 10, "pro": 40})
+    lim.set_membership("ann", "free", t0)
+    run_tier_table(lim, TIER_STEPS)
+    assert lim.tier_rates == {"free": 20, "pro": 40}
+    assert lim.memberships == {"bob": "free"}
+    assert (lim.exempt_users, lim.exempt_tiers) == (frozenset(), frozenset())
+
+
+def test_a_tier_rate_change_moves_every_member_without_its_own_limit_at_once() -> None:
+    lim = OutputRateLimiter(
+        100,
+        {"pinned": 10},
+        tier_rates={"free": 10},
+        memberships={"a": "free", "b": "free", "pinned": "free"},
+    )
+    for user in ("a", "b", "pinned", "outsider"):
+        assert lim.try_take(user, t0) and lim.try_take(user, t0)  # 200 ms at 10/s
+    lim.set_tier_rate("free", 30, t1)
+    # At t1 a and b owed 1.5 tokens, 50 ms at 30/s; the others kept their pace.
+    leads = {u: lim.lead_ns(u, t1) for u in ("a", "b", "pinned", "outsider")}
+    assert leads == {"a": 50 * MS, "b": 50 * MS, "pinned": 150 * MS, "outsider": 0}
+    assert lim.tracked_users() == 4
+
+
+def test_a_tier_rate_change_rescales_at_the_change_not_at_the_next_read() -> None:
+    lim = OutputRateLimiter(10, {}, tier_rates={"free": 10}, memberships={"a": "free"})
+    assert [lim.try_take("a", t0) for _ in range(3)] == [True, True, False]
+    lim.set_tier_rate("free", 20, t1)  # 1.5 tokens owed at t1: 75 ms at 20/s
+    # First read at t2: 25 ms are left. Rescaled only now, the 1 token owed at
+    # t2 would be 50 ms at 20/s.
+    assert lim.lead_ns("a", t2) == 25 * MS
+
+
+def test_without_a_rate_an_exempt_tier_stays_and_without_exemption_it_goes() -> None:
+    lim = OutputRateLimiter(10, {}, tier_rates={"vip": 50}, exempt_tiers={"vip"})
+    lim.set_membership("v", "vip", t0)
+    lim.set_tier_rate("vip", None, t0)  # still exempt: still a tier
+    assert lim.limit_source("v") == LimitSource("exempt", "vip")
+    with pytest.raises(ValueError, match="tier 'vip' has 1 member"):
+        lim.set_tier_exempt("vip", False, t0)
+    assert lim.limit_source("v") == LimitSource("exempt", "vip")
+    lim.set_membership("v", None, t0)
+    lim.set_tier_exempt("vip", False, t0)
+    assert lim.limits().tiers == frozenset()
+    # Removing what is not there is a no-op, as set_rate(user, None) is.
+    lim.set_tier_rate("ghost", None, t0)
+    lim.set_tier_exempt("ghost", False, t0)
+    assert lim.limits().tiers == frozenset()
+
+
+BAD_TIER_NAMES = ["", "a\x00b", "x" * 257, "zero\u200bwidth", 7]
+
+
+@pytest.mark.parametrize("bad", BAD_TIER_NAMES, ids=repr)
+def test_an_invalid_tier_name_is_refused_everywhere_and_changes_nothing(
+    bad: object,
+) -> None:
+    lim = OutputRateLimiter(10, {}, tier_rates={"free": 20})
+    attempts: list[Callable[[], object]] = [
+        lambda: lim.set_tier_rate(bad, 5, t0),  # type: ignore[arg-type]
+        lambda: lim.set_tier_exempt(bad, True, t0),  # type: ignore[arg-type]
+        lambda: lim.set_membership("u", bad, t0),  # type: ignore[arg-type]
+        lambda: OutputRateLimiter(10, {}, tier_rates={bad: 5}),  # type: ignore[dict-item]
+        lambda: OutputRateLimiter(10, {}, exempt_tiers={bad}),  # type: ignore[arg-type]
+    ]
+    for attempt in attempts:
+        with pytest.raises(ValueError, match="tier name"):
+            attempt()
+    assert (lim.tier_rates, lim.exempt_tiers, lim.memberships) == (
+        {"free": 20},
+        frozenset(),
+        {},
+    )
+
+
+@pytest.mark.parametrize("bad", [*BAD_RATES, None], ids=repr)
+def test_an_invalid_tier_rate_is_refused_by_the_constructor(bad: object) -> None:
+    with pytest.raises(ValueError, match=re.escape("rate of tier 'pro'")):
+        OutputRateLimiter(10, {}, tier_rates={"free": 5, "pro": bad})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("bad", BAD_RATES, ids=repr)
+def test_an_invalid_set_tier_rate_is_refused_and_changes_nothing(bad: object) -> None:
+    lim = OutputRateLimiter(10, {}, tier_rates={"pro": 3}, memberships={"m": "pro"})
+    assert lim.try_take("m", t0)
+    with pytest.raises(ValueError, match=re.escape("rate of tier 'pro'")):
+        lim.set_tier_rate("pro", bad, t0)  # type: ignore[arg-type]
+    assert lim.tier_rates == {"pro": 3}
+    assert lim.lead_ns("m", t0) == 333_333_334
+
+
+def test_a_membership_in_a_tier_that_does_not_exist_is_refused_by_the_constructor() -> (
+    None
+):
+    with pytest.raises(ValueError, match="tier 'gold', which has neither"):
+        OutputRateLimiter(10, {}, tier_rates={"free": 5}, memberships={"u": "gold"})
+
+
+def test_replace_limits_is_every_change_at_once() -> None:
+    """Editing a copy of the table and handing it back leaves the limiter exactly
+    as the same changes made one by one at the same time."""
+    table = dict(tier_rates={"free": 10, "pro": 40}, memberships={"a": "free"})
+    at_once = OutputRateLimiter(20, {"b": 5}, **table)  # type: ignore[arg-type]
+    one_by_one = OutputRateLimiter(20, {"b": 5}, **table)  # type: ignore[arg-type]
+    for lim in (at_once, one_by_one):
+        for user in ("a", "b", "c"):
+            for _ in range(3):
+                lim.try_take(user, t0)
+    edited = at_once.limits()
+    edited.set_tier_rate("free", 30)
+    edited.set_membership("b", "pro")
+    edited.set_user_rate("b", None)
+    edited.set_user_exempt("c", True)
+    assert at_once.tier_rates == {"free": 10, "pro": 40}  # a copy: nothing yet
+    at_once.replace_limits(edited, t1)
+    one_by_one.set_tier_rate("free", 30, t1)
+    one_by_one.set_membership("b", "pro", t1)
+    one_by_one.set_rate("b", None, t1)
+    one_by_one.set_user_exempt("c", True, t1)
+    for user in ("a", "b", "c", "d"):
+        for now in (t1, t2, t5):
+            got = [
+                f(user, now)
+                for f in (at_once.lead_ns, at_once.available, at_once.ready_at_ns)
+            ]
+            want = [
+                f(user, now)
+                for f in (one_by_one.lead_ns, one_by_one.available,
+                          one_by_one.ready_at_ns)
+            ]  # fmt: skip
+            assert got == want, f"{user} at {at(now)}"
+        assert at_once.limit_source(user) == one_by_one.limit_source(user)
+    assert at_once.tracked_users() == one_by_one.tracked_users() == 2
+
+
+def test_limit_table_reads_are_copies() -> None:
+    table = LimitTable({"a": 5}, {"free": 10}, {"b": "free"}, {"c"}, {"staff"})
+    table.user_rates["a"] = 1
+    table.tier_rates["free"] = 1
+    table.memberships["b"] = "staff"
+    assert (table.user_rates, table.tier_rates, table.memberships) == (
+        {"a": 5},
+        {"free": 10},
+        {"b": "free"},
+    )
+    assert table.tiers == {"free", "staff"}
+    assert table.members("free") == {"b"}
+    assert table.tier_of("b") == "free"
+    assert dict(table.overrides) == {"a": 5, "b": 10, "c": 0}
