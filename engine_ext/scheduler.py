@@ -59,8 +59,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -103,25 +104,55 @@ class _Throttling:
     since_ns: int | None = None  #: start of the open episode
 
 
-@dataclass
 class _Step:
-    """Bookkeeping of one ``schedule()`` call."""
+    """Bookkeeping of one ``schedule()`` call.
 
-    now_ns: int
-    charged: dict[str, str] = field(default_factory=dict)  # request id -> user
-    refused_users: set[str] = field(default_factory=set)
-    wake_at_ns: int | None = None  # earliest ready time among refused users
-    running_granted: int = 0  # running requests given tokens this step
-    running_throttled: int = 0  # running requests skipped for lack of budget
-    biased_arrival: dict[str, float] = field(default_factory=dict)
-    has_budget: dict[str, bool] = field(default_factory=dict)  # user -> at now_ns
-    parked: list[Request] = field(default_factory=list)  # in rotated order
-    #: Slots a refused user's waiting request may take for a prefill that stops
-    #: short of sampling; None: no user with budget is waiting for a slot.
-    spare_slots: int | None = None
-    #: Waiting requests of users with budget that the waiting loop has yet to
-    #: reach; no refused user's request is admitted ahead of them.
-    needy_pending: set[str] = field(default_factory=set)
+    Each user with demand is asked once per step for a *grant*: up to as many
+    tokens as it has live requests (``OutputRateLimiter.take_up_to``). The
+    grant is handed out one token per sampling request in service order, and
+    whatever is left or was handed to a request that was not dispatched is
+    given back when the step settles: the single refund point.
+    """
+
+    __slots__ = (
+        "biased_arrival",
+        "capped",
+        "charged",
+        "granted",
+        "left",
+        "needy_pending",
+        "now_ns",
+        "parked",
+        "refused",
+        "remaining",
+        "running_granted",
+        "running_throttled",
+        "skips",
+        "spare_slots",
+    )
+
+    def __init__(self, now_ns: int, capped: bool) -> None:
+        self.now_ns = now_ns
+        self.left: dict[str, int] = {}  #: user -> tokens of its grant not handed out
+        self.granted: dict[str, int] = {}  #: user -> its grant
+        #: user -> tokens it had beyond its grant (0: the grant took them all).
+        self.remaining: dict[str, int] = {}
+        self.charged: dict[str, str] = {}  #: request id -> user, in service order
+        self.refused: set[str] = set()  #: users refused a token in this step
+        self.skips: dict[str, int] = {}  #: user -> requests passed over
+        #: Whether the active cap is below the slot count (only then does the
+        #: running loop count granted and throttled requests).
+        self.capped = capped
+        self.running_granted = 0  # running requests given tokens this step
+        self.running_throttled = 0  # running requests skipped for lack of budget
+        self.biased_arrival: dict[str, float] = {}
+        self.parked: list[Request] = []  # in rotated order
+        #: Slots a refused user's waiting request may take for a prefill that stops
+        #: short of sampling; None: no user with budget is waiting for a slot.
+        self.spare_slots: int | None = None
+        #: Waiting requests of users with budget that the waiting loop has yet to
+        #: reach; no refused user's request is admitted ahead of them.
+        self.needy_pending: set[str] = set()
 
 
 if TYPE_CHECKING:
@@ -148,7 +179,28 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         )
         self._base_max_active = self.max_num_active_reqs
         self._user_of: dict[str, str] = {}
+        #: user -> its live requests: the most it can be charged in one step.
+        self._live: dict[str, int] = {}
         self._last_served: dict[str, str] = {}  # user -> request id
+        #: Users that may have no budget at the next step's start; while none
+        #: may (and no limit changed), a step leaves ``running`` as it is.
+        self._maybe_without_budget: set[str] = set()
+        self._seen_limit_changes = -1  # forces the first step to order
+        #: user -> tokens it is known to have at any time until its next charge
+        #: or a limit change (budget only grows with time); absent: unknown.
+        self._headroom: dict[str, int] = {}
+        #: Users with live requests whose headroom is unknown or below their
+        #: live requests. While there are none, nobody can be refused a token:
+        #: a step is *free* (see ``_free_step``).
+        self._constrained: set[str] = set()
+        #: user -> requests parked at the last step's start.
+        self._parked_counts: dict[str, int] = {}
+        self._upstream_reserve_prefill_lookahead = super()._reserve_prefill_lookahead
+        self._upstream_handle_blocked_waiting_request = (
+            super()._handle_blocked_waiting_request
+        )
+        #: Whether the per-request hooks are bound (see ``_use_step_hooks``).
+        self._step_hooks_bound: bool | None = None
         #: Requests preempted to yield their slot, until next dispatched to sample.
         self._yielded: set[str] = set()
         self._step: _Step | None = None
@@ -156,15 +208,13 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: When the last step scheduled nothing because of the limiter: the
         #: earliest time a refused user has budget again (for the engine loop).
         self.next_ready_ns: int | None = None
-        #: Per user (running, throttled) requests, as of the last step's start.
-        self._request_counts: dict[str, tuple[int, int]] = {}
         #: The limiter and its counters, shared with whatever attaches (the
         #: control plane): the lock is held for every whole step.
         self.output_rate_shared = SharedLimiter(
             OutputRateLimiter(settings.default_rate, dict(settings.user_rates)),
             Accounting(),
             lambda: self.clock(),
-            request_counts=lambda: self._request_counts,
+            request_counts=self._request_counts,
         )
         #: What attached through the core's registration point (the control
         #: plane, when the settings ask for one); stopped at shutdown.
@@ -198,6 +248,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 self.output_rate_shared, settings
             )
             self.output_rate_needs_wake_binding = True
+            self._use_step_hooks(False)
 
     @property
     def limiter(self) -> OutputRateLimiter:
@@ -214,12 +265,25 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         if request.request_id not in self._user_of:
-            self._user_of[request.request_id] = self._resolve_user(request)
+            user = self._user_of[request.request_id] = self._resolve_user(request)
+            live = self._live[user] = self._live.get(user, 0) + 1
+            if self._headroom.get(user, -1) < live:
+                self._constrained.add(user)
 
     def _free_request(
         self, request: Request, delay_free_blocks: bool = False
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        self._user_of.pop(request.request_id, None)
+        user = self._user_of.pop(request.request_id, None)
+        if user is not None:
+            live = self._live[user] - 1
+            if live:
+                self._live[user] = live
+                if self._headroom.get(user, -1) >= live:
+                    self._constrained.discard(user)
+            else:
+                del self._live[user]
+                self._headroom.pop(user, None)
+                self._constrained.discard(user)
         self._yielded.discard(request.request_id)
         throttling = self._throttling.pop(request.request_id, None)
         if throttling is not None:
@@ -275,9 +339,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         accounting=self.accounting,
                         user_rates=self.limiter.user_rates,
                         default_rate=self.limiter.default_rate,
-                        throttled_requests=sum(
-                            t for _, t in self._request_counts.values()
-                        ),
+                        throttled_requests=sum(self._parked_counts.values()),
                         tracked_users=self.limiter.tracked_users(),
                         control=self.output_rate_shared.control_snapshot(),
                     )
@@ -303,22 +365,122 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_shared.set_wake(wake)
 
     def _paced_schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        step = self._step = _Step(now_ns=self.clock())
-        persistent_order = list(self.running)
-        self.running[:] = self._order_for_step(step)
+        now_ns = self.clock()
+        limit_changed = self._seen_limit_changes != self.limiter.limit_changes
+        if limit_changed:  # every user's headroom may have shrunk
+            self._seen_limit_changes = self.limiter.limit_changes
+            self._headroom.clear()
+            self._constrained = set(self._live)
+        if not (self._constrained or self._yielded or self._throttling):
+            return self._free_step(now_ns, *args, **kwargs)
+        self._use_step_hooks(True)
+        step = self._step = _Step(
+            now_ns, capped=self._base_max_active < self.max_num_running_reqs
+        )
+        # Nobody can be parked at the step's start, so nothing needs ordering:
+        # running stays as it is (rotation and "parked last" change nothing when
+        # every user has budget; a user running short in this step is ordered
+        # from the next step on, with its last served stream remembered).
+        ordered = limit_changed or bool(self._maybe_without_budget)
+        persistent_order: list[Request] = []
+        if ordered:
+            persistent_order = list(self.running)
+            self.running[:] = self._order_for_step(step)
         try:
             self._yield_slots(step)
             output = super().schedule(*args, **kwargs)
         finally:
             self._step = None
             self.max_num_active_reqs = self._base_max_active
-            self._restore_arrival_times(step)
-            rank = {id(req): i for i, req in enumerate(persistent_order)}
-            # Stable: requests admitted this step stay behind, in admission order.
-            self.running.sort(key=lambda req: rank.get(id(req), math.inf))
+            if ordered:
+                self._restore_arrival_times(step)
+                rank = {id(req): i for i, req in enumerate(persistent_order)}
+                # Stable: requests admitted this step stay behind, in admission
+                # order.
+                self.running.sort(key=lambda req: rank.get(id(req), math.inf))
         self._settle(step, output)
-        self.output_rate_shared.on_step(step.now_ns)
+        self.output_rate_shared.on_step(now_ns)
         return output
+
+    def _free_step(self, now_ns: int, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """A step in which every user with live requests has budget for all of
+        them, so none can be refused: upstream schedules alone (no per-request
+        hook, no reordering) and the dispatched sampling steps, which upstream
+        marks ``is_prefill_chunk = False``, are charged after the fact, one
+        limiter batch for all users. Preempted requests were never charged, so
+        there is nothing to refund."""
+        self._use_step_hooks(False)
+        output = super().schedule(*args, **kwargs)
+        requests = self.requests
+        sampled = [
+            request_id
+            for request_id in output.num_scheduled_tokens
+            if not requests[request_id].is_prefill_chunk
+        ]
+        # Every request reached add_request, so every one has a user. Counted
+        # and remembered in C (Counter, dict.update): this runs per request.
+        users = list(map(self._user_of.__getitem__, sampled))
+        counts = Counter(users)
+        self._last_served.update(zip(users, sampled, strict=True))
+        if counts:
+            headroom = self._headroom
+            live = self._live
+            for user, remaining in self.limiter.take_each(counts, now_ns).items():
+                if remaining >= live.get(user, 0) > 0:
+                    headroom[user] = remaining  # still unconstrained: the common case
+                else:
+                    self._set_headroom(user, remaining)
+            self.accounting.record_charged(counts)
+        if self._parked_counts:
+            self._parked_counts = {}
+        self.next_ready_ns = None
+        if self.cleanup_due(now_ns):
+            self._cleanup_idle_users(now_ns)
+        self.output_rate_shared.on_step(now_ns)
+        return output
+
+    def _set_headroom(self, user: str, headroom: int) -> None:
+        """Records what ``user`` has left after a step (or now): whether it is
+        constrained, and whether it may lack budget at the next step's start."""
+        live = self._live.get(user, 0)
+        if not live:
+            self._headroom.pop(user, None)
+            self._constrained.discard(user)
+            self._maybe_without_budget.discard(user)
+            return
+        self._headroom[user] = headroom
+        if headroom < live:
+            self._constrained.add(user)
+        else:
+            self._constrained.discard(user)
+        if headroom:
+            self._maybe_without_budget.discard(user)
+        else:
+            self._maybe_without_budget.add(user)
+
+    def _use_step_hooks(self, paced: bool) -> None:
+        """Points upstream's per-request calls at our hooks (paced steps) or at
+        upstream's own methods (free steps), through instance attributes set
+        up once with pacing on: a class-level override would cost every
+        request of every step even with pacing off, and adding or deleting
+        instance attributes per step would slow every other attribute access
+        of the scheduler (CPython stops sharing the instance's key layout)."""
+        if paced == self._step_hooks_bound:
+            return
+        self._step_hooks_bound = paced
+        hooks: tuple[Callable[..., Any], ...] = (
+            (
+                self._paced_reserve_prefill_lookahead,
+                self._paced_handle_blocked_waiting_request,
+            )
+            if paced
+            else (
+                self._upstream_reserve_prefill_lookahead,
+                self._upstream_handle_blocked_waiting_request,
+            )
+        )
+        for name, hook in zip(_STEP_HOOK_NAMES, hooks, strict=True):
+            setattr(self, name, hook)
 
     def _order_for_step(self, step: _Step) -> list[Request]:
         """``running`` for this step: each user's same-priority streams rotated so
@@ -345,16 +507,17 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             ):
                 ordered[index] = request
 
-        counts: dict[str, tuple[int, int]] = {}
+        parked_counts: dict[str, int] = {}
         active: list[Request] = []
         parked: list[Request] = []
         for request in ordered:
             user = self.user_of(request)
-            is_parked = not self._has_budget(step, user) and _next_step_samples(request)
-            (parked if is_parked else active).append(request)
-            running, throttled = counts.get(user, (0, 0))
-            counts[user] = (running + 1, throttled + is_parked)
-        self._request_counts = counts
+            if _next_step_samples(request) and not self._tokens_left(step, user):
+                parked.append(request)
+                parked_counts[user] = parked_counts.get(user, 0) + 1
+            else:
+                active.append(request)
+        self._parked_counts = parked_counts
         step.parked = parked
         if self.policy == SchedulingPolicy.PRIORITY:
             for request in parked:
@@ -362,14 +525,32 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 request.arrival_time += _PRIORITY_VICTIM_BIAS_S
         return active + parked
 
-    def _has_budget(self, step: _Step, user: str) -> bool:
-        """Whether ``user`` may be charged at the step's start (cached per step)."""
-        known = step.has_budget.get(user)
-        if known is None:
-            known = step.has_budget[user] = (
-                self.limiter.ready_at_ns(user, step.now_ns) <= step.now_ns
+    def _tokens_left(self, step: _Step, user: str) -> int:
+        """Tokens of ``user``'s grant not yet handed out in this step; takes the
+        grant on first use (one limiter call per user and step)."""
+        left = step.left.get(user)
+        if left is None:
+            left, remaining = self.limiter.take_up_to(
+                user, self._live.get(user, 1), step.now_ns
             )
-        return known
+            step.left[user] = step.granted[user] = left
+            step.remaining[user] = remaining
+        return left
+
+    def _has_budget(self, step: _Step, user: str) -> bool:
+        """Whether ``user`` could be charged another token now (its grant is
+        capped by its live requests, so an empty grant alone does not say)."""
+        return bool(self._tokens_left(step, user)) or bool(step.remaining[user])
+
+    def _request_counts(self) -> dict[str, tuple[int, int]]:
+        """Per user (running, parked) requests: running now, parked as of the
+        last step's start. For the control plane, under the shared lock."""
+        counts: dict[str, int] = {}
+        for request in list(self.running):  # one atomic copy: see SharedLimiter
+            user = self.user_of(request)
+            counts[user] = counts.get(user, 0) + 1
+        parked = self._parked_counts
+        return {user: (n, parked.get(user, 0)) for user, n in counts.items()}
 
     # -- slots go to users with budget (see the module docstring) -------------
 
@@ -408,7 +589,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         now and whose user has budget."""
         found: list[Request] = []
         for request in self.waiting:
-            if request.status in _STARTABLE and self._has_budget(
+            if request.status in _STARTABLE and self._tokens_left(
                 step, self.user_of(request)
             ):
                 found.append(request)
@@ -465,21 +646,52 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     def _settle(self, step: _Step, output: SchedulerOutput) -> None:
         """The single refund point, and what the next step needs to know."""
+        now_ns = step.now_ns
+        limiter = self.limiter
         dispatched = output.num_scheduled_tokens
+        last_served = self._last_served
+        refunds: dict[str, int] = {}
         for request_id, user in step.charged.items():
             if request_id in dispatched:
-                self._last_served[user] = request_id
-                self._yielded.discard(request_id)
-                throttling = self._throttling.get(request_id)
-                if throttling is not None and throttling.since_ns is not None:
-                    throttling.total_ns += step.now_ns - throttling.since_ns
-                    throttling.since_ns = None
+                last_served[user] = request_id
             else:  # KV allocation failed, or preempted after being charged
-                self.limiter.refund(user, step.now_ns)
-                self.accounting.record(user, "refunds")
-        self.next_ready_ns = step.wake_at_ns if not dispatched else None
-        if self.cleanup_due(step.now_ns):
-            self._cleanup_idle_users(step.now_ns)
+                refunds[user] = refunds.get(user, 0) + 1
+        charged: dict[str, int] = {}
+        for user, left in step.left.items():
+            if left != step.granted[user]:
+                charged[user] = step.granted[user] - left
+            unused = left + refunds.get(user, 0)
+            if unused:
+                limiter.refund(user, now_ns, unused)
+            self._set_headroom(user, step.remaining[user] + unused)
+        for user in self._constrained - step.left.keys():
+            self._set_headroom(user, limiter.available(user, now_ns))
+        if self._yielded or self._throttling:
+            self._close_throttled_episodes(step, dispatched)
+        accounting = self.accounting
+        accounting.record_charged(charged)
+        for event, counts in (("refunds", refunds), ("throttled_skips", step.skips)):
+            for user, count in counts.items():
+                accounting.record(user, event, count)
+        self.next_ready_ns = None
+        if not dispatched and step.refused:
+            self.next_ready_ns = min(
+                limiter.ready_at_ns(user, now_ns) for user in step.refused
+            )
+        if self.cleanup_due(now_ns):
+            self._cleanup_idle_users(now_ns)
+
+    def _close_throttled_episodes(self, step: _Step, dispatched: Any) -> None:
+        """A dispatched sampling step ends a request's yielded state and its
+        open throttled episode."""
+        for request_id in step.charged:
+            if request_id not in dispatched:
+                continue
+            self._yielded.discard(request_id)
+            throttling = self._throttling.get(request_id)
+            if throttling is not None and throttling.since_ns is not None:
+                throttling.total_ns += step.now_ns - throttling.since_ns
+                throttling.since_ns = None
 
     def cleanup_due(self, now_ns: int) -> bool:
         """Whether users are tracked and the last cleanup is an interval old."""
@@ -511,32 +723,57 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     # -- per-request decisions (called from inside upstream schedule()) -----
 
-    def _reserve_prefill_lookahead(
+    def _paced_reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        num_new_tokens = super()._reserve_prefill_lookahead(
+        """``_reserve_prefill_lookahead`` while pacing is on: a step that samples
+        takes one token of its user's grant, or is refused. Called for every
+        scheduled request: kept flat, ``_charge`` inlined."""
+        num_new_tokens = self._upstream_reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
         step = self._step
         if step is None or num_new_tokens == 0:
             return num_new_tokens
+        if step.capped:
+            return self._reserve_under_active_cap(
+                step, request, num_computed_tokens, num_new_tokens
+            )
+        if num_computed_tokens + num_new_tokens < request.num_tokens:
+            return num_new_tokens  # samples nothing: nothing to charge
+        request_id = request.request_id
+        user = self._user_of.get(request_id, ANONYMOUS_USER)
+        left = step.left.get(user)
+        if left is None:
+            left = self._tokens_left(step, user)
+        if left and request_id not in step.charged:
+            step.left[user] = left - 1
+            step.charged[request_id] = user
+            return num_new_tokens
+        if self._charge(step, request):
+            return num_new_tokens
+        return self._refused_tokens(step, request, num_computed_tokens, num_new_tokens)
+
+    def _reserve_under_active_cap(
+        self,
+        step: _Step,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+    ) -> int:
+        """As above, when ``max_num_active_seqs`` is below ``max_num_seqs``: the
+        cap also bounds the running loop, and throttled running requests make
+        room for new ones (upstream reads the cap only in the waiting loop)."""
         in_running_loop = request.status == RequestStatus.RUNNING
         if in_running_loop and step.running_granted >= self._base_max_active:
-            return 0  # the active cap also bounds the running loop
+            return 0
         samples = num_computed_tokens + num_new_tokens >= request.num_tokens
-        if (
-            not samples
-            or request.request_id in step.charged
-            or self._charge(step, request)
-        ):
+        if not samples or self._charge(step, request):
             step.running_granted += in_running_loop
             return num_new_tokens
-        # Refused: a prefill may still advance up to its second-to-last position.
-        allowed = 0
-        if self.scheduler_config.enable_chunked_prefill:
-            allowed = max(
-                0, min(num_new_tokens, request.num_tokens - 1 - num_computed_tokens)
-            )
+        allowed = self._refused_tokens(
+            step, request, num_computed_tokens, num_new_tokens
+        )
         if in_running_loop:
             if allowed:
                 step.running_granted += 1
@@ -549,37 +786,50 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         return allowed
 
     def _charge(self, step: _Step, request: Request) -> bool:
-        """Charges one token to the request's user; remembers refusals so the
-        limiter is asked at most once per refused user and step."""
-        user = self.user_of(request)
-        if user not in step.refused_users and self.limiter.try_take(user, step.now_ns):
-            step.charged[request.request_id] = user
-            self.accounting.record(user, "charged")
+        """Hands the request one token of its user's grant for this step (a
+        request is charged at most once per step)."""
+        request_id = request.request_id
+        if request_id in step.charged:
             return True
-        self._refuse(step, user)
+        user = self._user_of.get(request_id, ANONYMOUS_USER)
+        left = step.left.get(user)
+        if left is None:
+            left = self._tokens_left(step, user)
+        if left:
+            step.left[user] = left - 1
+            step.charged[request_id] = user
+            return True
+        step.refused.add(user)
         self._record_skip(step, request, user)
         return False
 
-    def _refuse(self, step: _Step, user: str) -> None:
-        if user in step.refused_users:
-            return
-        step.refused_users.add(user)
-        ready = self.limiter.ready_at_ns(user, step.now_ns)
-        if step.wake_at_ns is None or ready < step.wake_at_ns:
-            step.wake_at_ns = ready
+    def _refused_tokens(
+        self,
+        step: _Step,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+    ) -> int:
+        """Tokens a refused request may still compute: with chunked prefill, a
+        prefill up to its second-to-last position; otherwise none."""
+        if not self.scheduler_config.enable_chunked_prefill:
+            return 0
+        return max(0, min(num_new_tokens, request.num_tokens - 1 - num_computed_tokens))
 
-    def _handle_blocked_waiting_request(self, request: Request) -> bool:
-        if not super()._handle_blocked_waiting_request(request):
+    def _paced_handle_blocked_waiting_request(self, request: Request) -> bool:
+        """``_handle_blocked_waiting_request`` while pacing is on: a waiting
+        request of a user without budget is skipped here, because returning 0
+        from ``_reserve_prefill_lookahead`` would end the whole waiting loop."""
+        if not self._upstream_handle_blocked_waiting_request(request):
             return False
         step = self._step
         if step is None:
             return True
         user = self.user_of(request)
-        if user not in step.refused_users:
-            if self.limiter.ready_at_ns(user, step.now_ns) <= step.now_ns:
-                step.needy_pending.discard(request.request_id)
-                return True
-            self._refuse(step, user)
+        if self._tokens_left(step, user):
+            step.needy_pending.discard(request.request_id)
+            return True
+        step.refused.add(user)
         if self._may_prefill_without_budget(step, request):
             return True  # admitted; _reserve_prefill_lookahead stops it short
         self._record_skip(step, request, user)
@@ -600,7 +850,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     def _record_skip(self, step: _Step, request: Request, user: str) -> None:
         """Counts a request passed over for lack of budget in this step."""
-        self.accounting.record(user, "throttled_skips")
+        step.skips[user] = step.skips.get(user, 0) + 1
         if self._tracing:
             throttling = self._throttling.setdefault(request.request_id, _Throttling())
             throttling.steps += 1
@@ -634,13 +884,13 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             if original is not None:
                 request.arrival_time = original
             user = self.user_of(request)
-            if _next_step_samples(request) and (
-                user in step.refused_users
-                or self.limiter.ready_at_ns(user, step.now_ns) > step.now_ns
-            ):
+            if _next_step_samples(request) and not self._has_budget(step, user):
                 self.accounting.record(user, "throttled_preemptions")
         super()._preempt_request(request, *args, **kwargs)
 
+
+#: Upstream methods ``schedule()`` calls per request that paced steps hook.
+_STEP_HOOK_NAMES = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request")
 
 #: Waiting states upstream can admit in this step (others wait for a grammar,
 #: a KV transfer or streamed input).

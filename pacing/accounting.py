@@ -48,6 +48,16 @@ class Accounting:
         setattr(counters, event, getattr(counters, event) + count)
         setattr(self.total, event, getattr(self.total, event) + count)
 
+    def record_charged(self, charged: Mapping[str, int]) -> None:
+        """Adds each user's charged tokens (one scheduler step's, at once)."""
+        users = self._users
+        for user, count in charged.items():
+            counters = users.get(user)
+            if counters is None:
+                counters = users[user] = UserCounters()
+            counters.charged += count
+        self.total.charged += sum(charged.values())
+
     def forget(self, keep: set[str]) -> None:
         """Drops per-user entries of users not in ``keep``."""
         self._users = {u: c for u, c in self._users.items() if u in keep}

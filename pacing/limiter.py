@@ -196,27 +196,72 @@ class OutputRateLimiter:
         slack = scaled_now + self._burst_ns * rate - max(tat, scaled_now)
         return slack // NS_PER_S + 1 if slack >= 0 else 0
 
-    def take(self, user: str, count: int, now_ns: int) -> None:
-        """Charges ``count`` tokens at once, exactly as ``count`` successful
-        ``try_take`` calls would. Callers ask ``available`` first; a larger
-        ``count`` is charged anyway (the limit is a ceiling: charge more, never
-        less)."""
-        rate = self.rate_of(user)
-        if rate == 0 or count <= 0:
-            return
-        cell = self._cell(user, rate, now_ns)
-        cell.scaled_tat = max(cell.scaled_tat, now_ns * rate) + count * NS_PER_S
+    def take_up_to(self, user: str, most: int, now_ns: int) -> tuple[int, int]:
+        """Takes as many tokens as ``user`` may at ``now_ns``, at most ``most``,
+        exactly as that many successful ``try_take`` calls would. Returns
+        ``(taken, still available)``; see ``available``.
 
-    def refund(self, user: str, now_ns: int) -> None:
-        """Gives back one token charged to ``user`` (a charged step that was not
-        dispatched). The TAT never moves below ``now_ns``: a refund cannot create
-        budget that was never earned."""
+        The scheduler's once-per-user-and-step call: one lookup of the user's
+        limit and cell, no more.
+        """
+        rate = self.rate_of(user)
+        if rate == 0:
+            return most, UNLIMITED - most
+        cell = self._cell(user, rate, now_ns)
+        scaled_now = now_ns * rate
+        tat = max(cell.scaled_tat, scaled_now)
+        slack = scaled_now + self._burst_ns * rate - tat
+        if slack < 0:
+            return 0, 0
+        available = slack // NS_PER_S + 1
+        taken = min(most, available)
+        cell.scaled_tat = tat + taken * NS_PER_S
+        return taken, available - taken
+
+    def take_each(self, counts: Mapping[str, int], now_ns: int) -> dict[str, int]:
+        """Charges every user in ``counts`` its count at once, exactly as that
+        many ``try_take`` calls would if all succeeded, and returns what each
+        still has available (0 when in debt). For charges already decided: the
+        scheduler's after-the-fact batch when every user was known to have
+        enough budget. Runs once per step for every user with demand, so the
+        per-rate products are computed once per distinct rate."""
+        default = self._default_rate
+        if default is None:
+            return dict.fromkeys(counts, UNLIMITED)
+        overrides = self._overrides
+        cells = self._cells
+        bounds: dict[int, tuple[int, int]] = {}  # rate -> (scaled now, + burst)
+        remaining: dict[str, int] = {}
+        for user, count in counts.items():
+            rate = overrides.get(user, default)
+            if rate == 0:
+                remaining[user] = UNLIMITED
+                continue
+            cell = cells.get(user)
+            if cell is None or cell.rate != rate:
+                cell = self._cell(user, rate, now_ns)
+            scaled = bounds.get(rate)
+            if scaled is None:
+                scaled = bounds[rate] = (
+                    now_ns * rate,
+                    (now_ns + self._burst_ns) * rate,
+                )
+            tat = max(cell.scaled_tat, scaled[0]) + count * NS_PER_S
+            cell.scaled_tat = tat
+            slack = scaled[1] - tat
+            remaining[user] = slack // NS_PER_S + 1 if slack >= 0 else 0
+        return remaining
+
+    def refund(self, user: str, now_ns: int, count: int = 1) -> None:
+        """Gives back ``count`` tokens charged to ``user`` (charged steps that were
+        not dispatched). The TAT never moves below ``now_ns``: a refund cannot
+        create budget that was never earned."""
         rate = self.rate_of(user)
         cell = self._cells.get(user)
         if rate == 0 or cell is None:
             return
         cell = self._cell(user, rate, now_ns)
-        cell.scaled_tat = max(cell.scaled_tat - NS_PER_S, now_ns * rate)
+        cell.scaled_tat = max(cell.scaled_tat - count * NS_PER_S, now_ns * rate)
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """The earliest time, not before ``now_ns``, at which ``try_take(user)``

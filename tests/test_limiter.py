@@ -878,11 +878,12 @@ def test_available_is_unlimited_without_a_default_rate() -> None:
     script=mixed_ops,
     counts=st.lists(st.integers(0, 40), min_size=120, max_size=120),
 )
-def test_take_of_n_is_n_successful_try_takes(
+def test_take_up_to_n_is_that_many_successful_try_takes(
     default: int, start: int, script: list, counts: list[int]
 ) -> None:
-    """Taking ``n <= available`` at once leaves exactly the state of ``n``
-    single takes (every later answer agrees)."""
+    """``take_up_to(n)`` takes ``min(n, available)`` and leaves exactly the state
+    of that many single takes (every later answer agrees); refunding ``k`` at
+    once is ``k`` single refunds."""
     batched = OutputRateLimiter(default, {})
     single = OutputRateLimiter(default, {})
     now = start
@@ -891,10 +892,15 @@ def test_take_of_n_is_n_successful_try_takes(
     ):
         now += gap
         if kind == "take":
-            n = min(count, batched.available(user, now))
-            batched.take(user, n, now)
-            for _ in range(n):
+            available = batched.available(user, now)
+            taken, left = batched.take_up_to(user, count, now)
+            assert (taken, left) == (min(count, available), available - taken)
+            for _ in range(taken):
                 assert single.try_take(user, now), f"step {i}"
+        elif kind == "refund":
+            batched.refund(user, now, count)
+            for _ in range(count):
+                single.refund(user, now)
         elif kind == "set_default":
             batched.set_default_rate(rate, now)
             single.set_default_rate(rate, now)
@@ -904,12 +910,12 @@ def test_take_of_n_is_n_successful_try_takes(
             assert got == want, f"step {i}: {u!r} {got} vs {want}"
 
 
-def test_take_beyond_available_still_charges_every_token() -> None:
+def test_take_up_to_reports_what_is_still_available() -> None:
     lim = OutputRateLimiter(10, {})
-    lim.take("a", 5, t0)  # 2 available: 3 more are charged as debt
-    assert lim.lead_ns("a", t0) == 500 * MS
-    assert lim.available("a", t0) == 0
-    assert lim.ready_at_ns("a", t0) == t0 + 400 * MS
+    assert lim.take_up_to("a", 1, t0) == (1, 1)  # a full bucket holds 2
+    assert lim.take_up_to("a", 5, t0) == (1, 0)
+    assert lim.take_up_to("a", 5, t0) == (0, 0)
+    assert lim.ready_at_ns("a", t0) == t0 + 100 * MS
 
 
 # --------------------------------------------------------------------------
@@ -1233,3 +1239,50 @@ def test_limit_table_reads_are_copies() -> None:
     assert table.members("free") == {"b"}
     assert table.tier_of("b") == "free"
     assert dict(table.overrides) == {"a": 5, "b": 10, "c": 0}
+
+
+@FAST
+@given(
+    default=small_rates,
+    b_rate=small_rates,
+    start=st.integers(-(10**15), 10**15),
+    script=mixed_ops,
+    counts=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+)
+def test_take_each_is_each_users_count_of_try_takes_and_reports_what_is_left(
+    default: int, b_rate: int, start: int, script: list, counts: list[int]
+) -> None:
+    """After any history, ``take_each`` charges every user exactly as that many
+    ``try_take`` calls would when all succeed, and returns ``available``."""
+    batched = OutputRateLimiter(default, {"b": b_rate})
+    now = start
+    for kind, user, gap, rate, _ in script:
+        now += gap
+        if kind == "take":
+            batched.try_take(user, now)
+        elif kind == "set_rate":
+            batched.set_rate(user, rate, now)
+    single = copy.deepcopy(batched)
+    wanted = {
+        user: min(count, batched.available(user, now))
+        for user, count in zip(USERS, counts, strict=True)
+    }
+    left = batched.take_each(wanted, now)
+    for user, count in wanted.items():
+        for _ in range(count):
+            assert single.try_take(user, now)
+        assert left[user] == single.available(user, now)
+        assert batched.ready_at_ns(user, now) == single.ready_at_ns(user, now)
+        assert batched.lead_ns(user, now) == single.lead_ns(user, now)
+
+
+def test_take_each_beyond_what_is_available_charges_every_token_anyway() -> None:
+    lim = OutputRateLimiter(10, {})
+    assert lim.take_each({"a": 5}, t0) == {"a": 0}  # 2 available, 3 more owed
+    assert lim.lead_ns("a", t0) == 500 * MS
+
+
+def test_take_each_without_a_default_rate_is_unlimited() -> None:
+    lim = OutputRateLimiter(None, {})
+    assert lim.take_each({"a": 3}, t0) == {"a": UNLIMITED}
+    assert lim.tracked_users() == 0
