@@ -4,18 +4,35 @@ One mixin, applied to both ``Scheduler`` and ``AsyncScheduler``; this module is 
 only place that knows vLLM's scheduler internals. It overrides these
 ``Scheduler`` methods (vLLM 0.32) and relies on how ``schedule()`` calls them:
 
-- ``schedule()``: opens a step (one clock reading), orders ``running`` for the
-  step (rotation, parked requests last), calls upstream, then settles the step:
-  the single refund point, "last served" bookkeeping, order restored.
-- ``_reserve_prefill_lookahead()``: called once per candidate request in the
-  running and the waiting loop after the token budget is applied and before KV
-  allocation. Here a step that will *sample* is charged 1 token; a refused
-  request gets 0 tokens (the running loop ``continue``s) or, with chunked
-  prefill, a prefill up to its second-to-last position.
-- ``_handle_blocked_waiting_request()``: the waiting loop's own "skip this one
-  for now" hook. A waiting request of a user with no budget is skipped here,
-  because returning 0 from ``_reserve_prefill_lookahead`` would ``break`` the
-  waiting loop and block every other user's new requests.
+- ``schedule()``: one clock reading, then one of two kinds of step.
+
+  A *free* step: every user with live requests is known to have budget for all
+  of them (``_headroom``: what a user had left after its last charge, a lower
+  bound until its next one, since budget only grows with time), so nobody can
+  be refused. Upstream schedules alone and the dispatched sampling steps (upstream
+  sets ``is_prefill_chunk = False`` on them) are charged after the fact in one
+  limiter batch.
+
+  A *paced* step (otherwise): orders ``running`` when a user may lack budget at
+  the step's start or a limit changed (rotation, parked requests last), calls
+  upstream with the per-request hooks below bound, then settles the step: the
+  single refund point, "last served" bookkeeping, order restored. Each user
+  with demand is granted up to its live requests in one limiter call and the
+  grant is handed out one token per sampling request in service order.
+- ``_reserve_prefill_lookahead()`` (paced steps): called once per candidate
+  request in the running and the waiting loop after the token budget is applied
+  and before KV allocation. Here a step that will *sample* takes 1 token of its
+  user's grant; a refused request gets 0 tokens (the running loop
+  ``continue``s) or, with chunked prefill, a prefill up to its second-to-last
+  position.
+- ``_handle_blocked_waiting_request()`` (paced steps): the waiting loop's own
+  "skip this one for now" hook. A waiting request of a user with no budget is
+  skipped here, because returning 0 from ``_reserve_prefill_lookahead`` would
+  ``break`` the waiting loop and block every other user's new requests.
+
+The two per-request hooks are instance attributes, pointed at our methods in
+paced steps and back at upstream's in free steps: with pacing off or in a free
+step upstream pays nothing per request.
 - ``_preempt_request()``: counts preempted parked requests and undoes the
   PRIORITY victim bias before the request re-enters the waiting heap. Also
   called by us, before upstream's loops, to make parked requests yield their
@@ -51,7 +68,7 @@ to start once a slot is spare or its user has budget again: no user is
 starved.
 
 With the feature off (no default rate) every override defers to upstream
-unchanged.
+unchanged and no per-request hook is bound.
 """
 
 from __future__ import annotations
