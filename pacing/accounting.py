@@ -15,6 +15,8 @@ class UserCounters:
     refunds: int = 0  #: charges given back (charged, then not dispatched)
     throttled_skips: int = 0  #: requests passed over in a step for lack of budget
     throttled_preemptions: int = 0  #: parked requests chosen as preemption victims
+    #: requests shadow mode let run uncharged where enforce would have skipped them
+    shadow_skips: int = 0
 
     def add(self, other: UserCounters) -> None:
         for f in fields(self):

@@ -37,6 +37,7 @@ from operator import attrgetter
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
 from pacing.recent_rate import NS_PER_S, RecentRates
 
 #: ``request_counts()`` result: user -> (running requests, throttled requests).
@@ -102,6 +103,7 @@ class SharedLimiter:
         *,
         rate_window_ns: int = 5 * NS_PER_S,
         rate_interval_ns: int = NS_PER_S,
+        mode: Mode = Mode.ENFORCE,
     ) -> None:
         self.lock = threading.Lock()
         self.limiter = limiter
@@ -111,6 +113,9 @@ class SharedLimiter:
         self._wake = wake
         self._recent = RecentRates(rate_window_ns, rate_interval_ns)
         self._control_snapshot: Callable[[], ControlPlaneSnapshot] | None = None
+        #: How the scheduler acts on the limiter's decisions; read at the start
+        #: of every step, changed (like limits) only under the lock.
+        self.mode = mode
 
     def on_step(self, now_ns: int) -> None:
         """Records the end of a scheduling step at ``now_ns`` (samples recent
