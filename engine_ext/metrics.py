@@ -72,6 +72,7 @@ TOKENS_CHARGED = "vllm:output_rate_tokens_charged_total"
 THROTTLED_SKIPS = "vllm:output_rate_throttled_skips_total"
 REFUNDS = "vllm:output_rate_refunds_total"
 THROTTLED_PREEMPTIONS = "vllm:output_rate_throttled_preemptions_total"
+SHADOW_SKIPS = "vllm:output_rate_shadow_skips_total"
 IDLE_WAIT_SECONDS = "vllm:output_rate_idle_wait_seconds"
 THROTTLED_REQUESTS = "vllm:output_rate_throttled_requests"
 TRACKED_USERS = "vllm:output_rate_tracked_users"
@@ -86,6 +87,7 @@ USER_COUNTERS = {
     "throttled_skips": THROTTLED_SKIPS,
     "refunds": REFUNDS,
     "throttled_preemptions": THROTTLED_PREEMPTIONS,
+    "shadow_skips": SHADOW_SKIPS,
 }
 assert set(USER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
 
@@ -98,6 +100,8 @@ _DOCS = {
     "(KV allocation failed or preempted).",
     THROTTLED_PREEMPTIONS: "Preemptions whose victim was a request parked for "
     "lack of budget (KV pressure from parked requests).",
+    SHADOW_SKIPS: "In shadow mode: times a request ran uncharged where enforce "
+    "mode would have passed it over for lack of budget.",
     IDLE_WAIT_SECONDS: "Time the engine loop blocked on its input queue because "
     "every ready request was throttled.",
     THROTTLED_REQUESTS: "Requests passed over for lack of budget in the latest "
