@@ -94,6 +94,7 @@ from pacing import attachments
 from pacing.accounting import Accounting
 from pacing.identity import ANONYMOUS_USER, user_from_extra_args
 from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
 from pacing.settings import OutputRateSettings
 from pacing.shared import SharedLimiter
 
@@ -144,11 +145,13 @@ class _Step:
         "remaining",
         "running_granted",
         "running_throttled",
+        "shadow",
+        "shadow_skips",
         "skips",
         "spare_slots",
     )
 
-    def __init__(self, now_ns: int, capped: bool) -> None:
+    def __init__(self, now_ns: int, capped: bool, shadow: bool = False) -> None:
         self.now_ns = now_ns
         self.left: dict[str, int] = {}  #: user -> tokens of its grant not handed out
         self.granted: dict[str, int] = {}  #: user -> its grant
@@ -162,6 +165,10 @@ class _Step:
         self.capped = capped
         self.running_granted = 0  # running requests given tokens this step
         self.running_throttled = 0  # running requests skipped for lack of budget
+        #: Shadow mode: a refusal is counted in ``shadow_skips`` (user -> n) and
+        #: the request runs uncharged.
+        self.shadow = shadow
+        self.shadow_skips: dict[str, int] = {}
         self.biased_arrival: dict[str, float] = {}
         self.parked: list[Request] = []  # in rotated order
         #: Slots a refused user's waiting request may take for a prefill that stops
@@ -382,6 +389,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_shared.set_wake(wake)
 
     def _paced_schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        mode = self.output_rate_shared.mode
+        if mode is Mode.OFF:
+            return self._unpaced_step(*args, **kwargs)
+        shadow = mode is Mode.SHADOW
         now_ns = self.clock()
         limit_changed = self._seen_limit_changes != self.limiter.limit_changes
         if limit_changed:  # every user's headroom may have shrunk
@@ -392,7 +403,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             return self._free_step(now_ns, *args, **kwargs)
         self._use_step_hooks(True)
         step = self._step = _Step(
-            now_ns, capped=self._base_max_active < self.max_num_running_reqs
+            now_ns,
+            capped=self._base_max_active < self.max_num_running_reqs,
+            shadow=shadow,
         )
         # Nobody can be parked at the step's start, so nothing needs ordering:
         # running stays as it is (rotation and "parked last" change nothing when
@@ -402,9 +415,15 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         persistent_order: list[Request] = []
         if ordered:
             persistent_order = list(self.running)
-            self.running[:] = self._order_for_step(step)
+            for_step = self._order_for_step(step)
+            if shadow:  # what enforce would park is counted, nothing is moved
+                ordered = False
+                self._restore_arrival_times(step)
+            else:
+                self.running[:] = for_step
         try:
-            self._yield_slots(step)
+            if not shadow:
+                self._yield_slots(step)
             output = super().schedule(*args, **kwargs)
         finally:
             self._step = None
@@ -417,6 +436,17 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 self.running.sort(key=lambda req: rank.get(id(req), math.inf))
         self._settle(step, output)
         self.output_rate_shared.on_step(now_ns)
+        return output
+
+    def _unpaced_step(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """Mode ``off``, the kill switch: upstream alone, nothing charged or
+        recorded. Every user's GCRA state is kept as it was, and budget only
+        accrues up to a full bucket, so switching back hands out no more."""
+        self._use_step_hooks(False)
+        output = super().schedule(*args, **kwargs)
+        self.next_ready_ns = None
+        if self._parked_counts:
+            self._parked_counts = {}
         return output
 
     def _free_step(self, now_ns: int, *args: Any, **kwargs: Any) -> SchedulerOutput:
@@ -687,7 +717,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             self._close_throttled_episodes(step, dispatched)
         accounting = self.accounting
         accounting.record_charged(charged)
-        for event, counts in (("refunds", refunds), ("throttled_skips", step.skips)):
+        for event, counts in (
+            ("refunds", refunds),
+            ("throttled_skips", step.skips),
+            ("shadow_skips", step.shadow_skips),
+        ):
             for user, count in counts.items():
                 accounting.record(user, event, count)
         self.next_ready_ns = None
@@ -816,6 +850,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             step.left[user] = left - 1
             step.charged[request_id] = user
             return True
+        if step.shadow:
+            step.shadow_skips[user] = step.shadow_skips.get(user, 0) + 1
+            return True
         step.refused.add(user)
         self._record_skip(step, request, user)
         return False
@@ -840,8 +877,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if not self._upstream_handle_blocked_waiting_request(request):
             return False
         step = self._step
-        if step is None:
-            return True
+        if step is None or step.shadow:
+            return True  # shadow: counted when it samples, if it would be refused
         user = self.user_of(request)
         if self._tokens_left(step, user):
             step.needy_pending.discard(request.request_id)
@@ -901,7 +938,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             if original is not None:
                 request.arrival_time = original
             user = self.user_of(request)
-            if _next_step_samples(request) and not self._has_budget(step, user):
+            if (
+                not step.shadow  # nothing is parked in shadow mode
+                and _next_step_samples(request)
+                and not self._has_budget(step, user)
+            ):
                 self.accounting.record(user, "throttled_preemptions")
         super()._preempt_request(request, *args, **kwargs)
 
