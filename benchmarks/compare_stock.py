@@ -136,26 +136,9 @@ def time_scheduler_step(
     """Mean CPU seconds of ``schedule()`` + ``update_from_output()`` per step over
     ``steps`` steps of ``requests`` decoding streams spread over ``users`` users.
     The driver's own work (building the model's output) is not timed."""
-    clock = FakeClock()
-    blocks_per_request = -(-CONTEXT // BLOCK_SIZE)  # all of it: no preemption
-    scheduler = make_scheduler(
-        model_dir,
-        clock=clock,
-        async_scheduling=async_scheduling,
-        max_num_seqs=requests,
-        # Every prefill fits one step, every decode step takes all R.
-        max_num_batched_tokens=max(512, requests * PROMPT_LEN),
-        num_blocks=requests * blocks_per_request + 1,
-        **kwargs,
+    scheduler, driver = _decoding(
+        model_dir, requests, users, async_scheduling, **kwargs
     )
-    driver = Driver(scheduler, clock)
-    driver.add(
-        make_request(
-            _user(i % users), prompt_len=PROMPT_LEN, max_tokens=CONTEXT - PROMPT_LEN
-        )
-        for i in range(requests)
-    )
-    driver.run(WARMUP_STEPS, step_ms=STEP_MS)  # prefill done, all decoding
     elapsed = 0.0
 
     def timed(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -177,6 +160,75 @@ def time_scheduler_step(
     gc.collect()
     driver.run(steps, step_ms=STEP_MS)
     return elapsed / steps
+
+
+#: The limiter's operations the scheduler may call, counted by
+#: ``limiter_calls_per_step``.
+LIMITER_OPERATIONS = (
+    "try_take",
+    "take_up_to",
+    "take_each",
+    "refund",
+    "available",
+    "ready_at_ns",
+)
+
+
+def limiter_calls_per_step(
+    model_dir: str,
+    requests: int,
+    users: int,
+    steps: int,
+    async_scheduling: bool,
+    **kwargs: Any,
+) -> float:
+    """Mean limiter calls per step in the setting of ``time_scheduler_step``
+    (what grows with users, not requests, when the design holds)."""
+    scheduler, driver = _decoding(
+        model_dir, requests, users, async_scheduling, **kwargs
+    )
+    limiter = scheduler.limiter
+    calls = 0
+
+    def counted(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return method(*args)
+
+        return call
+
+    for name in LIMITER_OPERATIONS:
+        setattr(limiter, name, counted(getattr(limiter, name)))
+    driver.run(steps, step_ms=STEP_MS)
+    return calls / steps
+
+
+def _decoding(
+    model_dir: str, requests: int, users: int, async_scheduling: bool, **kwargs: Any
+) -> tuple[Any, Driver]:
+    """A scheduler with ``requests`` streams of ``users`` users, all decoding."""
+    clock = FakeClock()
+    blocks_per_request = -(-CONTEXT // BLOCK_SIZE)  # all of it: no preemption
+    scheduler = make_scheduler(
+        model_dir,
+        clock=clock,
+        async_scheduling=async_scheduling,
+        max_num_seqs=requests,
+        # Every prefill fits one step, every decode step takes all R.
+        max_num_batched_tokens=max(512, requests * PROMPT_LEN),
+        num_blocks=requests * blocks_per_request + 1,
+        **kwargs,
+    )
+    driver = Driver(scheduler, clock)
+    driver.add(
+        make_request(
+            _user(i % users), prompt_len=PROMPT_LEN, max_tokens=CONTEXT - PROMPT_LEN
+        )
+        for i in range(requests)
+    )
+    driver.run(WARMUP_STEPS, step_ms=STEP_MS)  # prefill done, all decoding
+    return scheduler, driver
 
 
 def scheduler_part(
@@ -203,7 +255,17 @@ def scheduler_part(
                         model_dir, r, u, steps, async_scheduling, **variant(u)
                     )
                 )
-        raw[f"R={r},U={u}"] = {"steps": steps, "seconds_per_step": times}
+        calls = {
+            name: limiter_calls_per_step(
+                model_dir, r, u, 20, async_scheduling, **variant(u)
+            )
+            for name, variant in list(variants.items())[2:]
+        }
+        raw[f"R={r},U={u}"] = {
+            "steps": steps,
+            "seconds_per_step": times,
+            "limiter_calls_per_step": calls,
+        }
         stock = times["stock"]
         for (name, ours), goal in zip(
             list(times.items())[1:], SCHEDULER_GOALS, strict=True
@@ -217,6 +279,14 @@ def scheduler_part(
                     goal,
                 )
             )
+        rows.append(
+            Row(
+                f"  limiter calls per step, R={r} U={u}: "
+                + " / ".join(list(variants)[2:]),
+                ours=" / ".join(f"{n:.1f}" for n in calls.values()),
+                goal="O(users), flat in R",
+            )
+        )
     return rows, raw
 
 
