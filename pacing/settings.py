@@ -8,6 +8,11 @@ field vLLM carries to the engine-core process for plugins).
     {
       "default_rate": 100,             # tokens/s; absent or null: pacing off
       "user_rates": {"user-a": 100},
+      "mode": "enforce",               # or "shadow", "off" (pacing.modes)
+      "tier_rates": {"free": 20, "pro": 200},
+      "memberships": {"user-b": "pro"},
+      "exempt_users": ["ops"],
+      "exempt_tiers": [],
       "control": {                     # absent: no control plane
         "address": "127.0.0.1:50151", "config_path": null, "token_file": null,
         "tls_cert": null, "tls_key": null, "tls_client_ca": null
@@ -15,7 +20,9 @@ field vLLM carries to the engine-core process for plugins).
       "metrics": {"emit": false, "max_labelled_users": 100}
     }
 
-The flags always give a ``control`` object (``--output-rate-control-address off``
+The tier and exemption keys hold the limit table of ``pacing.limits`` (a user's
+own limit, else its tier's, else the default; exemptions make unlimited). The
+flags always give a ``control`` object (``--output-rate-control-address off``
 runs none); offline, a control plane runs only where one is asked for. Secrets
 never travel here (vLLM logs its config): only the paths of the token and TLS
 files, which the control plane reads where it runs.
@@ -28,12 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pacing.identity import validate_user
-from pacing.limiter import validate_rate
+from pacing.limiter import OutputRateLimiter, validate_rate
+from pacing.modes import Mode, parse_mode
 
 #: Key of our settings inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "output_rate"
@@ -42,6 +50,11 @@ _MOVED_KEYS = {"output_rate_control": "control", "output_rate_metrics": "metrics
 
 DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
 USER_RATES_FLAG = "--user-output-tokens-per-second"
+MODE_FLAG = "--output-rate-mode"
+TIERS_FLAG = "--output-rate-tiers"
+TIER_MEMBERS_FLAG = "--output-rate-tier-members"
+EXEMPT_USERS_FLAG = "--output-rate-exempt-users"
+EXEMPT_TIERS_FLAG = "--output-rate-exempt-tiers"
 ADDRESS_FLAG = "--output-rate-control-address"
 CONFIG_FLAG = "--user-output-rate-config"
 TOKEN_FILE_FLAG = "--output-rate-control-token-file"
@@ -118,33 +131,66 @@ class MetricsSettings:
 @dataclass(frozen=True)
 class OutputRateSettings:
     """What the operator asked for, validated: a default limit (``None`` =
-    pacing off) and per-user overrides in output tokens per second, the control
-    plane (``None``: none asked for) and the metrics."""
+    pacing off) and per-user overrides in output tokens per second, the mode,
+    tiers, memberships and exemptions (``pacing.limits``), the control plane
+    (``None``: none asked for) and the metrics."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
+    mode: Mode = Mode.ENFORCE
+    tier_rates: Mapping[str, int] = field(default_factory=dict)
+    memberships: Mapping[str, str] = field(default_factory=dict)  # user -> tier
+    exempt_users: frozenset[str] = frozenset()
+    exempt_tiers: frozenset[str] = frozenset()
     control: ControlSettings | None = None
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:
+        # Normalised so that equality and ``.value`` hold for a mode given by
+        # name and for names given as any array.
+        for name in ("exempt_users", "exempt_tiers"):
+            object.__setattr__(self, name, _names(getattr(self, name), _TABLE[name]))
         try:
+            object.__setattr__(self, "mode", parse_mode(self.mode, field=MODE_FLAG))
             if self.default_rate is not None:
                 validate_rate(self.default_rate, field=DEFAULT_RATE_FLAG)
-            for user, rate in self.user_rates.items():
-                validate_user(user, field=f"user name in {USER_RATES_FLAG}")
-                validate_rate(rate, field=f"{USER_RATES_FLAG} rate of {user!r}")
+            for name in _TABLE:
+                _check_table_part(name, getattr(self, name))
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        if self.user_rates and self.default_rate is None:
-            raise SettingsError(
-                f"{USER_RATES_FLAG} needs {DEFAULT_RATE_FLAG}: the default limit "
-                "is what turns per-user output pacing on"
-            )
+        for user, tier in self.memberships.items():
+            # pacing.limits: a user joins only a tier that exists.
+            if tier not in self.tier_rates and tier not in self.exempt_tiers:
+                raise SettingsError(
+                    f"{TIER_MEMBERS_FLAG} puts {user!r} in tier {tier!r}, which "
+                    f"neither {TIERS_FLAG} nor {EXEMPT_TIERS_FLAG} defines"
+                )
+        if self.default_rate is None:
+            given = [flag for name, flag in _TABLE.items() if getattr(self, name)]
+            if self.mode is not Mode.ENFORCE:
+                given.append(MODE_FLAG)
+            if given:
+                raise SettingsError(
+                    f"{given[0]} needs {DEFAULT_RATE_FLAG}: the default limit "
+                    "is what turns per-user output pacing on"
+                )
 
     @property
     def enabled(self) -> bool:
         """Whether pacing is on."""
         return self.default_rate is not None
+
+    def build_limiter(self) -> OutputRateLimiter:
+        """A limiter holding these limits: the default, the users' own limits,
+        tiers, memberships and exemptions."""
+        return OutputRateLimiter(
+            self.default_rate,
+            dict(self.user_rates),
+            tier_rates=dict(self.tier_rates),
+            memberships=dict(self.memberships),
+            exempt_users=self.exempt_users,
+            exempt_tiers=self.exempt_tiers,
+        )
 
     @classmethod
     def from_cli_args(
@@ -153,18 +199,30 @@ class OutputRateSettings:
         additional_config: Mapping[str, Any] | None = None,
     ) -> OutputRateSettings:
         """Reads the flags ``add_cli_args`` added. With pacing on they set the
-        limits and the control plane; the metrics, which have no flags, come
-        from ``additional_config`` (as the operator passed it), if it has them.
-        Without ``DEFAULT_RATE_FLAG``: pacing off, no control plane."""
+        limits, the mode and the control plane; the metrics, which have no
+        flags, come from ``additional_config`` (as the operator passed it), if
+        it has them. Without ``DEFAULT_RATE_FLAG``: pacing off, no control
+        plane (and any other limit flag or a mode other than enforce is an
+        error)."""
         default_rate = getattr(args, _dest(DEFAULT_RATE_FLAG))
-        user_rates = parse_user_rates(getattr(args, _dest(USER_RATES_FLAG)))
+        table = {
+            name: _parse_json(getattr(args, _dest(flag)), flag)
+            for name, flag in _TABLE.items()
+        }
+        mode = getattr(args, _dest(MODE_FLAG))
         if default_rate is None:
-            return cls(user_rates=user_rates)
+            return cls(mode=mode, **table)
         control = ControlSettings(
             **{name: getattr(args, _dest(flag)) for name, flag in _FLAGS.items()}
         )
         given = cls.from_additional_config(additional_config)
-        return cls(default_rate, user_rates, control=control, metrics=given.metrics)
+        return cls(
+            default_rate,
+            mode=mode,
+            **table,
+            control=control,
+            metrics=given.metrics,
+        )
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> OutputRateSettings:
@@ -190,6 +248,12 @@ class OutputRateSettings:
                 f"{where}['user_rates'] must be an object mapping user names to "
                 "tokens per second"
             )
+        mode = entry.get("mode")  # absent or null: the default
+        if mode is not None:
+            try:
+                mode = parse_mode(mode, field=f"{where}['mode']")
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         control = None
         if (control_entry := entry.get("control")) is not None:
             _check_keys(control_entry, f"{where}['control']", _fields(ControlSettings))
@@ -200,6 +264,11 @@ class OutputRateSettings:
         return cls(
             default_rate=entry.get("default_rate"),
             user_rates=dict(user_rates),
+            mode=Mode.ENFORCE if mode is None else mode,
+            tier_rates=_object_entry(entry, "tier_rates", where),
+            memberships=_object_entry(entry, "memberships", where),
+            exempt_users=_names_entry(entry, "exempt_users", where),
+            exempt_tiers=_names_entry(entry, "exempt_tiers", where),
             control=control,
             metrics=MetricsSettings(**metrics),
         )
@@ -209,6 +278,11 @@ class OutputRateSettings:
         entry: dict[str, Any] = {
             "default_rate": self.default_rate,
             "user_rates": dict(self.user_rates),
+            "mode": self.mode.value,
+            "tier_rates": dict(self.tier_rates),
+            "memberships": dict(self.memberships),
+            "exempt_users": sorted(self.exempt_users),
+            "exempt_tiers": sorted(self.exempt_tiers),
             "metrics": asdict(self.metrics),
         }
         if self.control is not None:
@@ -228,9 +302,45 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     )
     group.add_argument(
         USER_RATES_FLAG,
-        type=_user_rates_arg,
+        type=_json_arg(USER_RATES_FLAG),
         default=None,
         help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
+    )
+    group.add_argument(
+        MODE_FLAG,
+        type=_mode_arg,
+        default=Mode.ENFORCE,
+        metavar="{" + ",".join(mode.value for mode in Mode) + "}",
+        help="What pacing does with its decisions: enforce them (default); "
+        "shadow: compute and export everything enforce would, throttle nobody; "
+        "off: the kill switch (limits kept, nothing recorded).",
+    )
+    group.add_argument(
+        TIERS_FLAG,
+        type=_json_arg(TIERS_FLAG),
+        default=None,
+        help='Named rate classes as a JSON object, e.g. \'{"free": 20, "pro": 200}\' '
+        "(tokens/s for each member).",
+    )
+    group.add_argument(
+        TIER_MEMBERS_FLAG,
+        type=_json_arg(TIER_MEMBERS_FLAG),
+        default=None,
+        help='Tier of each user as a JSON object, e.g. \'{"user-b": "pro"}\'. A '
+        "user's own limit wins over its tier's.",
+    )
+    group.add_argument(
+        EXEMPT_USERS_FLAG,
+        type=_json_arg(EXEMPT_USERS_FLAG),
+        default=None,
+        help="Users never throttled, as a JSON array, e.g. '[\"ops\"]'.",
+    )
+    group.add_argument(
+        EXEMPT_TIERS_FLAG,
+        type=_json_arg(EXEMPT_TIERS_FLAG),
+        default=None,
+        help="Tiers whose members (those without a limit of their own) are never "
+        "throttled, as a JSON array, e.g. '[\"staff\"]'.",
     )
     group.add_argument(
         ADDRESS_FLAG,
@@ -271,21 +381,117 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
 
 def parse_user_rates(raw: str | None) -> dict[str, int]:
     """Parses ``--user-output-tokens-per-second`` JSON: ``{"user": rate, ...}``."""
+    rates: dict[str, int] = _parse_json(raw, USER_RATES_FLAG)
+    return rates
+
+
+#: JSON flag -> (the JSON type of its value, what it is, an example).
+_JSON_FLAGS: dict[str, tuple[type, str, str]] = {
+    USER_RATES_FLAG: (
+        dict,
+        "object mapping user names to tokens per second",
+        '{"user-a": 100}',
+    ),
+    TIERS_FLAG: (
+        dict,
+        "object mapping tier names to tokens per second",
+        '{"free": 20}',
+    ),
+    TIER_MEMBERS_FLAG: (
+        dict,
+        "object mapping user names to tier names",
+        '{"user-b": "pro"}',
+    ),
+    EXEMPT_USERS_FLAG: (list, "array of user names", '["ops"]'),
+    EXEMPT_TIERS_FLAG: (list, "array of tier names", '["staff"]'),
+}
+
+
+def _parse_json(raw: str | None, flag: str) -> Any:
+    """``flag``'s JSON value, checked to be of the flag's JSON type; empty when
+    the flag is absent or blank."""
+    kind, what, example = _JSON_FLAGS[flag]
     if raw is None or raw.strip() == "":
-        return {}
+        return kind()
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise SettingsError(
-            f"{USER_RATES_FLAG} is not valid JSON ({exc.msg} at position {exc.pos}); "
-            'expected an object like {"user-a": 100}'
+            f"{flag} is not valid JSON ({exc.msg} at position {exc.pos}); "
+            f"expected a JSON {what} like {example}"
         ) from None
-    if not isinstance(value, dict):
-        raise SettingsError(
-            f"{USER_RATES_FLAG} must be a JSON object mapping user names to tokens "
-            f"per second, got {type(value).__name__}"
-        )
+    if not isinstance(value, kind):
+        raise SettingsError(f"{flag} must be a JSON {what}, got {type(value).__name__}")
     return value
+
+
+def _names(value: object, where: str) -> frozenset[str]:
+    """``value`` (an array of names) as a set; each name is validated later."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(
+        value, list | tuple | set | frozenset
+    ):
+        raise SettingsError(
+            f"{where} must be an array of names, got {type(value).__name__}"
+        )
+    for name in value:
+        if not isinstance(name, str):
+            raise SettingsError(
+                f"{where} must hold names (strings), got {name!r} of type "
+                f"{type(name).__name__}"
+            )
+    return frozenset(value)
+
+
+def _object_entry(entry: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    """``entry[key]`` as a dict (absent or null: empty)."""
+    value = entry.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SettingsError(f"{where}[{key!r}] must be an object")
+    return dict(value)
+
+
+def _names_entry(entry: Mapping[str, Any], key: str, where: str) -> frozenset[str]:
+    """``entry[key]`` as a set of names (absent or null: empty)."""
+    value = entry.get(key)
+    return frozenset() if value is None else _names(value, f"{where}[{key!r}]")
+
+
+#: Limit-table field of ``OutputRateSettings`` -> its flag.
+_TABLE = {
+    "user_rates": USER_RATES_FLAG,
+    "tier_rates": TIERS_FLAG,
+    "memberships": TIER_MEMBERS_FLAG,
+    "exempt_users": EXEMPT_USERS_FLAG,
+    "exempt_tiers": EXEMPT_TIERS_FLAG,
+}
+
+
+def _check_table_part(name: str, value: Any) -> None:
+    """Validates the names and rates of limit-table field ``name`` on its own,
+    raising ValueError naming its flag: pacing.limits' rules (tier names follow
+    the user-id rule, as in ``validate_tier``). ``OutputRateSettings`` checks
+    the rules across fields."""
+    flag = _TABLE[name]
+    if name == "user_rates":
+        for user, rate in value.items():
+            validate_user(user, field=f"user name in {flag}")
+            validate_rate(rate, field=f"{flag} rate of {user!r}")
+    elif name == "tier_rates":
+        for tier, rate in value.items():
+            validate_user(tier, field=f"tier name in {flag}")
+            validate_rate(rate, field=f"{flag} rate of {tier!r}")
+    elif name == "memberships":
+        for user, tier in value.items():
+            validate_user(user, field=f"user name in {flag}")
+            validate_user(tier, field=f"tier of {user!r} in {flag}")
+    elif name == "exempt_users":
+        for user in value:
+            validate_user(user, field=f"user name in {flag}")
+    else:
+        for tier in value:
+            validate_user(tier, field=f"tier name in {flag}")
 
 
 #: ``ControlSettings`` field -> its flag.
@@ -328,9 +534,26 @@ def _rate_arg(raw: str) -> int:
         ) from None
 
 
-def _user_rates_arg(raw: str) -> str:
+def _mode_arg(raw: str) -> Mode:
     try:
-        OutputRateSettings(default_rate=1, user_rates=parse_user_rates(raw))
-    except SettingsError as exc:
+        return parse_mode(raw, field="value")
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return raw
+
+
+def _json_arg(flag: str) -> Callable[[str], str]:
+    """The argparse ``type`` of JSON flag ``flag``: checks the value on its own
+    (rules across flags are checked once all are parsed) and keeps the text."""
+    name = next(name for name, table_flag in _TABLE.items() if table_flag == flag)
+
+    def check(raw: str) -> str:
+        try:
+            value = _parse_json(raw, flag)
+            if isinstance(value, list):
+                value = _names(value, flag)
+            _check_table_part(name, value)
+        except ValueError as exc:  # SettingsError included
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return raw
+
+    return check

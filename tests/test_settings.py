@@ -18,6 +18,8 @@ from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from engine_ext.supported import check_supported
 from pacing import settings
+from pacing.limits import LimitSource
+from pacing.modes import Mode
 from pacing.settings import (
     DEFAULT_MAX_LABELLED_USERS,
     ControlSettings,
@@ -76,6 +78,72 @@ def test_the_flags_keep_the_metrics_given_in_additional_config(serve_parser):
     assert additional["other"] == 1  # another plugin's entry stays
 
 
+def test_serve_parser_accepts_the_mode_tier_and_exemption_flags(serve_parser):
+    args = serve_parser.parse_args(
+        [
+            "m",
+            "--default-user-output-tokens-per-second",
+            "100",
+            "--output-rate-mode",
+            "Shadow",
+            "--output-rate-tiers",
+            '{"free": 20, "pro": 200, "staff": 5}',
+            "--output-rate-tier-members",
+            '{"alice": "pro", "bob": "free", "carol": "staff"}',
+            "--output-rate-exempt-users",
+            '["ops"]',
+            "--output-rate-exempt-tiers",
+            '["staff"]',
+        ]
+    )
+    entry = AsyncEngineArgs.from_cli_args(args).additional_config["output_rate"]
+    assert entry["mode"] == "shadow"
+    assert entry["tier_rates"] == {"free": 20, "pro": 200, "staff": 5}
+    assert entry["memberships"] == {"alice": "pro", "bob": "free", "carol": "staff"}
+    assert (entry["exempt_users"], entry["exempt_tiers"]) == (["ops"], ["staff"])
+    paced = OutputRateSettings.from_additional_config({"output_rate": entry})
+    assert paced.mode is Mode.SHADOW
+
+
+def test_without_the_mode_flag_pacing_enforces(serve_parser):
+    args = serve_parser.parse_args(
+        ["m", "--default-user-output-tokens-per-second", "100"]
+    )
+    entry = AsyncEngineArgs.from_cli_args(args).additional_config["output_rate"]
+    assert entry["mode"] == "enforce"
+    assert OutputRateSettings.from_additional_config({}).mode is Mode.ENFORCE
+
+
+def test_the_limiter_gets_the_whole_limit_table():
+    paced = OutputRateSettings(
+        default_rate=100,
+        user_rates={"dave": 7, "ops": 3},
+        tier_rates={"free": 20, "pro": 200},
+        memberships={"alice": "pro", "dave": "free", "erin": "staff"},
+        exempt_users=["ops"],
+        exempt_tiers=["staff"],
+    )
+    limiter = paced.build_limiter()
+    assert limiter.default_rate == 100
+    # user -> (tokens/s, where that comes from); 0 is unlimited.
+    expected = {
+        "alice": (200, LimitSource("tier", "pro")),
+        "dave": (7, LimitSource("user")),  # its own limit wins over its tier
+        "erin": (0, LimitSource("exempt", "staff")),
+        "ops": (0, LimitSource("exempt")),  # the exemption wins over its limit
+        "zed": (100, LimitSource("default")),
+    }
+    assert {
+        user: (limiter.rate_of(user), limiter.limit_source(user)) for user in expected
+    } == expected
+
+
+def test_without_pacing_the_limiter_limits_nobody():
+    limiter = OutputRateSettings().build_limiter()
+    assert not limiter.enabled
+    assert limiter.rate_of("anyone") == 0
+
+
 def test_without_the_default_flag_nothing_changes(serve_parser):
     args = serve_parser.parse_args(["m"])
     engine_args = AsyncEngineArgs.from_cli_args(args)
@@ -98,6 +166,23 @@ def test_without_the_default_flag_nothing_changes(serve_parser):
         (["--user-output-tokens-per-second", '{"a": true}'], "positive integer"),
         (["--user-output-tokens-per-second", '{"": 5}'], "must not be empty"),
         (["--user-output-tokens-per-second", '{"a": 10000000000}'], "between 1 and"),
+        (["--output-rate-mode", "fast"], "must be one of enforce, shadow, off"),
+        (["--output-rate-mode", ""], "must be one of enforce, shadow, off"),
+        (["--output-rate-tiers", "{bad"], "not valid JSON"),
+        (["--output-rate-tiers", '["free"]'], "must be a JSON object"),
+        (["--output-rate-tiers", '{"free": 0}'], "between 1 and"),
+        (["--output-rate-tiers", '{"free": "20"}'], "positive integer"),
+        (["--output-rate-tiers", '{"": 20}'], "must not be empty"),
+        (["--output-rate-tiers", '{"fr\\u200bee": 20}'], "must not contain"),
+        (["--output-rate-tier-members", '["alice"]'], "must be a JSON object"),
+        (["--output-rate-tier-members", '{"alice": 5}'], "must be a string"),
+        (["--output-rate-tier-members", '{"alice": ""}'], "must not be empty"),
+        (["--output-rate-exempt-users", '{"ops": true}'], "must be a JSON array"),
+        (["--output-rate-exempt-users", '"ops"'], "must be a JSON array"),
+        (["--output-rate-exempt-users", "[5]"], "must hold names"),
+        (["--output-rate-exempt-users", '[""]'], "must not be empty"),
+        (["--output-rate-exempt-tiers", "[[]]"], "must hold names"),
+        (["--output-rate-exempt-tiers", '["st\\u0000aff"]'], "must not contain"),
     ],
 )
 def test_bad_flag_values_are_rejected_naming_the_flag(
@@ -132,6 +217,110 @@ def test_bad_flag_fails_start_up_with_one_line(tiny_model_dir):
         "per-user output pacing on"
     )
     assert "Traceback" not in completed.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--output-rate-tier-members", '{"alice": "gold"}'],
+            "--output-rate-tier-members puts 'alice' in tier 'gold', which neither "
+            "--output-rate-tiers nor --output-rate-exempt-tiers defines",
+        ),
+        (
+            [
+                "--output-rate-tiers",
+                '{"free": 20}',
+                "--output-rate-tier-members",
+                '{"alice": "pro"}',
+            ],
+            "--output-rate-tier-members puts 'alice' in tier 'pro'",
+        ),
+    ],
+)
+def test_a_member_of_an_undefined_tier_is_refused_naming_the_flags(argv, message):
+    parser = argparse.ArgumentParser()
+    settings.add_cli_args(parser)
+    args = parser.parse_args(["--default-user-output-tokens-per-second", "10", *argv])
+    with pytest.raises(SettingsError) as error:
+        OutputRateSettings.from_cli_args(args)
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--output-rate-mode", "shadow"],
+        ["--output-rate-mode", "off"],
+        ["--output-rate-tiers", '{"free": 20}'],
+        ["--output-rate-exempt-users", '["ops"]'],
+        ["--output-rate-exempt-tiers", '["staff"]'],
+    ],
+)
+def test_limit_flags_without_the_default_flag_are_refused(argv):
+    parser = argparse.ArgumentParser()
+    settings.add_cli_args(parser)
+    with pytest.raises(SettingsError) as error:
+        OutputRateSettings.from_cli_args(parser.parse_args(argv))
+    assert str(error.value) == (
+        f"{argv[0]} needs --default-user-output-tokens-per-second: the default "
+        "limit is what turns per-user output pacing on"
+    )
+
+
+def test_enforce_without_the_default_flag_is_simply_pacing_off():
+    parser = argparse.ArgumentParser()
+    settings.add_cli_args(parser)
+    args = parser.parse_args(["--output-rate-mode", "enforce"])
+    assert OutputRateSettings.from_cli_args(args) == OutputRateSettings()
+
+
+def test_tiers_and_the_mode_round_trip_through_additional_config():
+    paced = OutputRateSettings(
+        default_rate=50,
+        user_rates={"dave": 7},
+        mode=Mode.OFF,
+        tier_rates={"free": 20},
+        memberships={"alice": "free", "erin": "staff"},
+        exempt_users=frozenset({"ops", "root"}),
+        exempt_tiers=frozenset({"staff"}),
+    )
+    additional = {"output_rate": paced.to_additional_config()}
+    assert json.loads(json.dumps(additional))["output_rate"]["exempt_users"] == [
+        "ops",
+        "root",
+    ]
+    assert OutputRateSettings.from_additional_config(additional) == paced
+    # Older entries, without the new keys, read as enforce with no tiers.
+    old = OutputRateSettings.from_additional_config(
+        {"output_rate": {"default_rate": 50, "mode": None}}
+    )
+    assert (old.mode, old.tier_rates, old.exempt_users) == (Mode.ENFORCE, {}, set())
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            {"mode": "fast"},
+            "additional_config['output_rate']['mode'] must be one of enforce, "
+            "shadow, off, got 'fast'",
+        ),
+        ({"mode": 1}, "must be one of enforce, shadow, off"),
+        ({"tier_rates": ["free"]}, "['tier_rates'] must be an object"),
+        ({"tier_rates": {"free": 0}}, "--output-rate-tiers rate of 'free'"),
+        ({"memberships": {"a": "gold"}}, "puts 'a' in tier 'gold'"),
+        ({"exempt_users": "ops"}, "['exempt_users'] must be an array of names"),
+        ({"exempt_tiers": [{"a": 1}]}, "must hold names"),
+        ({"exempt_users": ["\ud800"]}, "lone surrogate"),
+    ],
+)
+def test_invalid_tables_and_modes_in_additional_config_are_refused(entry, message):
+    with pytest.raises(SettingsError) as error:
+        OutputRateSettings.from_additional_config(
+            {"output_rate": {"default_rate": 10, **entry}}
+        )
+    assert message in str(error.value)
 
 
 def test_additional_config_round_trip_and_validation():
