@@ -131,6 +131,10 @@ class OutputRateLimiter:
         """A copy of user -> tier."""
         return self._limits.memberships
 
+    def tier_of(self, user: str) -> str | None:
+        """The tier ``user`` is a member of, or ``None`` (one lookup, no copy)."""
+        return self._limits.tier_of(user)
+
     @property
     def exempt_users(self) -> frozenset[str]:
         return self._limits.exempt_users
