@@ -36,6 +36,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     DEFAULT_LIMIT_USER,
+    OTHER_TIER,
     OTHER_USER,
     RELOAD_RESULTS,
     FailureLog,
@@ -44,6 +45,7 @@ from engine_ext.stats_payload import (
     parse,
     take_payload,
 )
+from pacing.modes import Mode
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +82,13 @@ LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_limit_tokens_per_second"
 LIMIT_CHANGES = "vllm:output_rate_limit_changes_total"
 CONFIG_RELOADS = "vllm:output_rate_config_reloads_total"
 CONTROL_RPCS = "vllm:output_rate_control_rpcs_total"
+MODE = "vllm:output_rate_mode"
+TIER_TOKENS_CHARGED = "vllm:output_rate_tier_tokens_charged_total"
+TIER_THROTTLED_SKIPS = "vllm:output_rate_tier_throttled_skips_total"
+TIER_REFUNDS = "vllm:output_rate_tier_refunds_total"
+TIER_THROTTLED_PREEMPTIONS = "vllm:output_rate_tier_throttled_preemptions_total"
+TIER_SHADOW_SKIPS = "vllm:output_rate_tier_shadow_skips_total"
+TIER_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_tier_limit_tokens_per_second"
 
 #: Payload counter field -> exported counter name.
 USER_COUNTERS = {
@@ -89,7 +98,16 @@ USER_COUNTERS = {
     "throttled_preemptions": THROTTLED_PREEMPTIONS,
     "shadow_skips": SHADOW_SKIPS,
 }
+#: Payload counter field -> exported per-tier counter name.
+TIER_COUNTERS = {
+    "charged": TIER_TOKENS_CHARGED,
+    "throttled_skips": TIER_THROTTLED_SKIPS,
+    "refunds": TIER_REFUNDS,
+    "throttled_preemptions": TIER_THROTTLED_PREEMPTIONS,
+    "shadow_skips": TIER_SHADOW_SKIPS,
+}
 assert set(USER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
+assert set(TIER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
 
 _DOCS = {
     TOKENS_CHARGED: "Output tokens charged to a user's budget (a sampling step "
@@ -113,6 +131,16 @@ _DOCS = {
     "limits file that changed the table (the start-up load included).",
     CONFIG_RELOADS: "Limits config-file reloads by result (success, failure).",
     CONTROL_RPCS: "Control-plane RPCs by method and gRPC status code.",
+    MODE: "Pacing mode: 1 for the current one (enforce, shadow or off), 0 for "
+    "the others.",
+    TIER_TOKENS_CHARGED: "Output tokens charged to the members of a tier.",
+    TIER_THROTTLED_SKIPS: "Throttled skips of the members of a tier.",
+    TIER_REFUNDS: "Refunds to the members of a tier.",
+    TIER_THROTTLED_PREEMPTIONS: "Throttled preemptions of the members of a tier.",
+    TIER_SHADOW_SKIPS: "Shadow skips (what enforce would have throttled) of the "
+    "members of a tier.",
+    TIER_LIMIT_TOKENS_PER_SECOND: "Output-token limit of each member of a tier "
+    "(members without a limit of their own); no sample for an exempt tier.",
 }
 
 # Registry -> our collector on it, so a second logger in one process (vLLM
@@ -186,8 +214,17 @@ class OutputRateMetrics:
             ["model_name", "method", "code"],
             registry=None,
         )
+        self._mode = _gauge(MODE, ["model_name", "mode"])
+        tier = ["model_name", "tier"]
+        self._tier_counters = {
+            field: Counter(name, _DOCS[name], tier, registry=None)
+            for field, name in TIER_COUNTERS.items()
+        }
+        self._tier_limits = _gauge(TIER_LIMIT_TOKENS_PER_SECOND, tier)
         self._labelled: set[str] | None = None  # None until the first payload
         self._limit_values: dict[str, int] = {}
+        self._labelled_tiers: set[str] = set()
+        self._tier_limit_values: dict[str, int] = {}
         if registry is not None:
             collector = _Collector(
                 [
@@ -199,6 +236,9 @@ class OutputRateMetrics:
                     self._limit_changes,
                     self._reloads,
                     self._rpcs,
+                    self._mode,
+                    *self._tier_counters.values(),
+                    self._tier_limits,
                 ]
             )
             previous = _collectors.get(registry)
@@ -237,6 +277,38 @@ class OutputRateMetrics:
             self._reloads.labels(model, result).inc(count)
         for (method, code), count in payload.control_rpcs.items():
             self._rpcs.labels(model, method, code).inc(count)
+        for mode in Mode:
+            self._mode.labels(model, mode.value).set(int(mode is payload.mode))
+        self._apply_tiers(payload)
+
+    def _apply_tiers(self, payload: Payload) -> None:
+        """Per-tier series exist exactly for the labelled tiers, and from the
+        first tier on for ``OTHER_TIER`` (tiers beyond the cap); limits only for
+        the tiers that are not exempt."""
+        model = self._model
+        labelled = set(payload.tiers)
+        if labelled != self._labelled_tiers:
+            if not self._labelled_tiers:  # at zero before its first increase
+                for counter in self._tier_counters.values():
+                    counter.labels(model, OTHER_TIER)
+            for tier in self._labelled_tiers - labelled:
+                for counter in self._tier_counters.values():
+                    counter.remove(model, tier)
+            for tier in labelled - self._labelled_tiers:
+                for counter in self._tier_counters.values():
+                    counter.labels(model, tier)
+            self._labelled_tiers = labelled
+        for tier, row in payload.tier_counters.items():
+            for field, delta in row.items():
+                if delta:
+                    self._tier_counters[field].labels(model, tier).inc(delta)
+        limits = {tier: rate for tier, rate in payload.tiers.items() if rate}
+        if limits != self._tier_limit_values:
+            for tier in set(self._tier_limit_values) - set(limits):
+                self._tier_limits.remove(model, tier)
+            for tier, rate in limits.items():
+                self._tier_limits.labels(model, tier).set(rate)
+            self._tier_limit_values = limits
 
     def _start(self) -> None:
         """Creates the series every alert and panel relies on, at zero: a counter

@@ -19,6 +19,14 @@ operator's limits table, never ids taken from requests), at most
 ``max_labelled_users`` of them; every other user's events are reported under
 ``OTHER_USER``. The labelled set is sticky: a labelled user keeps the label while
 their explicit limit exists, new ones are admitted in name order while room is left.
+Tiers are labelled the same way (every tier that exists, at most
+``MAX_LABELLED_TIERS``; the rest under ``OTHER_TIER``); a tier's counters sum its
+members' events, each event counted in the tier its user belongs to when the
+payload is built, and users in no tier are in no tier's counters.
+
+Cost: one build is O(labelled users) without tiers; with tiers it also reads the
+counters of every user the accounting holds (those with live requests or recent
+events), once: O(users).
 
 Encoding: the payload holds plain data only (dicts, lists, str, int, float, None)
 and every string in it encodes as strict UTF-8, because vLLM's msgpack encoder
@@ -31,11 +39,14 @@ RPC method name that does not encode counts as ``OTHER_METHOD``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from pacing.accounting import Accounting, UserCounters
+from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode, parse_mode
 from pacing.settings import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
 
@@ -48,9 +59,14 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
+#: The ``tier`` label value of every tier without a label of its own.
+OTHER_TIER = "__other__"
+#: Most tiers with a ``tier`` label of their own. Tiers are the operator's, so
+#: few; the cap holds should a control-plane client create many.
+MAX_LABELLED_TIERS = 100
 #: The ``user`` label value of the default limit in the limits gauge.
 DEFAULT_LIMIT_USER = "__default__"
 #: Idle waits kept between two payloads. One payload is built per engine step and
@@ -86,6 +102,9 @@ RELOAD_RESULTS = ("success", "failure")
 _RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
 #: The per-user counters carried, in ``UserCounters`` field names.
 COUNTER_FIELDS = tuple(f.name for f in fields(UserCounters))
+#: A user's counters as a tuple in ``COUNTER_FIELDS`` order (one C call).
+_counter_values = attrgetter(*COUNTER_FIELDS)
+_ZEROS = (0,) * len(COUNTER_FIELDS)
 
 
 class PayloadError(ValueError):
@@ -134,6 +153,43 @@ class Payload:
     limit_changes: int
     config_reloads: Mapping[str, int]
     control_rpcs: Mapping[tuple[str, str], int]
+    mode: Mode
+    #: label -> tokens/s of each member of every labelled tier (the complete
+    #: labelled set); 0 for an exempt tier (unlimited).
+    tiers: Mapping[str, int]
+    #: tier label -> {counter field -> delta}; only non-zero deltas.
+    tier_counters: Mapping[str, Mapping[str, int]]
+
+
+class _Labels:
+    """Names with a label of their own: at most ``cap``, sticky (a name keeps
+    its label while it stays eligible), new ones admitted in name order while
+    room is left. Reserved label values and names that do not encode are never
+    labelled."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self.names: dict[str, None] = {}  # insertion-ordered set
+
+    def update(self, eligible: Collection[str]) -> list[str]:
+        """Labels from ``eligible`` (a set or a mapping's keys); returns the
+        names that lost their label."""
+        lost = [name for name in self.names if name not in eligible]
+        for name in lost:
+            del self.names[name]
+        if len(self.names) < self._cap:
+            candidates = (
+                name
+                for name in eligible
+                if name not in self.names
+                and name not in _RESERVED_LABELS
+                and _encodable(name)
+            )
+            for name in sorted(candidates):
+                if len(self.names) >= self._cap:
+                    break
+                self.names[name] = None
+        return lost
 
 
 class PayloadBuilder:
@@ -143,11 +199,18 @@ class PayloadBuilder:
     that ``observe_idle_wait`` is called by the engine loop on the same thread.
     """
 
-    def __init__(self, max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS) -> None:
-        self._cap = max_labelled_users
-        self._labelled: dict[str, None] = {}  # insertion-ordered set
+    def __init__(
+        self,
+        max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS,
+        max_labelled_tiers: int = MAX_LABELLED_TIERS,
+    ) -> None:
+        self._users = _Labels(max_labelled_users)
+        self._tiers = _Labels(max_labelled_tiers)
         self._last: dict[str, UserCounters] = {}
         self._last_total = UserCounters()
+        #: user -> (its counters object, their values) at the previous build,
+        #: for every user the accounting held; None while no tier exists.
+        self._tier_seen: dict[str, tuple[UserCounters, tuple[int, ...]]] | None = None
         self._last_control = ControlPlaneSnapshot()
         self._idle_waits: list[float] = []
         self._built_once = False
@@ -160,7 +223,7 @@ class PayloadBuilder:
     @property
     def labelled_users(self) -> list[str]:
         """Users that currently have their own ``user`` label."""
-        return list(self._labelled)
+        return list(self._users.names)
 
     def observe_idle_wait(self, seconds: float) -> None:
         """Records one idle wait of the engine loop (time actually blocked)."""
@@ -176,21 +239,26 @@ class PayloadBuilder:
         throttled_requests: int,
         tracked_users: int,
         control: ControlPlaneSnapshot | None = None,
+        mode: Mode = Mode.ENFORCE,
+        limiter: OutputRateLimiter | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
-        labelled users' limits, and the given gauges.
+        labelled users' limits, the given gauges and ``mode``, and with
+        ``limiter`` (whose table says the tiers and their members) the tiers'
+        limits and counter deltas.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
         """
-        self._update_labelled(user_rates)
+        for user in self._users.update(user_rates):
+            self._last.pop(user, None)
         first = not self._built_once
         self._built_once = True
 
         users: dict[str, dict[str, int]] = {}
         labelled_sum = UserCounters()
-        for user in self._labelled:
+        for user in self._users.names:
             now = accounting.of(user)
             before = self._last.get(user)
             if before is None:
@@ -216,6 +284,8 @@ class PayloadBuilder:
         if row := _nonzero(other):
             users[OTHER_USER] = row
 
+        tiers, tier_counters = self._tier_part(accounting, limiter, first)
+
         # No snapshot means no control-plane news (not a reset to zero).
         control = self._last_control if control is None else _normalized(control)
         previous, self._last_control = self._last_control, control
@@ -223,7 +293,7 @@ class PayloadBuilder:
         return {
             "v": PAYLOAD_VERSION,
             "users": users,
-            "limits": {user: int(user_rates[user]) for user in self._labelled},
+            "limits": {user: int(user_rates[user]) for user in self._users.names},
             "default_limit": default_rate,
             "throttled_requests": int(throttled_requests),
             "tracked_users": int(tracked_users),
@@ -238,24 +308,72 @@ class PayloadBuilder:
                     control.rpcs, previous.rpcs
                 ).items()
             ],
+            "mode": mode.value,
+            "tiers": tiers,
+            "tier_counters": tier_counters,
         }
 
-    def _update_labelled(self, user_rates: Mapping[str, int]) -> None:
-        for user in [u for u in self._labelled if u not in user_rates]:
-            del self._labelled[user]
-            self._last.pop(user, None)
-        if len(self._labelled) < self._cap:
-            candidates = (
-                u
-                for u in user_rates
-                if u not in self._labelled
-                and u not in _RESERVED_LABELS
-                and _encodable(u)
-            )
-            for user in sorted(candidates):
-                if len(self._labelled) >= self._cap:
-                    break
-                self._labelled[user] = None
+    def _tier_part(
+        self, accounting: Accounting, limiter: OutputRateLimiter | None, first: bool
+    ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        """The labelled tiers' limits (0: exempt) and every tier label's counter
+        deltas: each user's events since the previous build go to the tier it
+        is a member of now."""
+        rates = {} if limiter is None else limiter.tier_rates
+        exempt = frozenset() if limiter is None else limiter.exempt_tiers
+        self._tiers.update(rates.keys() | exempt)
+        tiers = {
+            tier: 0 if tier in exempt else rates[tier] for tier in self._tiers.names
+        }
+        if limiter is None or not (rates or exempt):
+            self._tier_seen = None  # no tier: nothing to count, nothing to keep
+            return tiers, {}
+        # While tiers were absent nobody was tracked: the events before this
+        # build are nobody's tier events (except at the first build, which
+        # reports everything since start-up).
+        count_new = first or self._tier_seen is not None
+        previous = self._tier_seen or {}
+        memberships = limiter.memberships
+        labelled = self._tiers.names
+        seen: dict[str, tuple[UserCounters, tuple[int, ...]]] = {}
+        # label -> the counter values of its members now, and at the last build
+        nows: dict[str, list[tuple[int, ...]]] = {}
+        thens: dict[str, list[tuple[int, ...]]] = {}
+        for user, counters in accounting.by_user().items():
+            values: tuple[int, ...] = _counter_values(counters)
+            seen[user] = (counters, values)
+            before = previous.get(user)
+            if before is None:
+                if not count_new:
+                    continue
+                base = _ZEROS  # its counters began after the previous build
+            elif before[0] is not counters:
+                base = _ZEROS  # forgotten, then counted again from zero
+            else:
+                base = before[1]
+                if values == base:
+                    continue
+            tier = memberships.get(user)
+            if tier is None:
+                continue
+            label = tier if tier in labelled else OTHER_TIER
+            nows.setdefault(label, []).append(values)
+            thens.setdefault(label, []).append(base)
+        self._tier_seen = seen
+        counters_by_tier: dict[str, dict[str, int]] = {}
+        for label, values_now in nows.items():
+            # Column sums in C rather than a Python loop per user and field.
+            columns_now = zip(*values_now, strict=True)
+            columns_then = zip(*thens[label], strict=True)
+            row = {
+                name: sum(now) - sum(then)
+                for name, now, then in zip(
+                    COUNTER_FIELDS, columns_now, columns_then, strict=True
+                )
+            }
+            if row := {name: delta for name, delta in row.items() if delta}:
+                counters_by_tier[label] = row
+        return tiers, counters_by_tier
 
 
 def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:
@@ -293,22 +411,7 @@ def parse(raw: object) -> Payload:
         )
     limits = _str_int_map(raw.get("limits"), "limits")
     labels = set(limits) | {OTHER_USER}
-    users_raw = raw.get("users")
-    if not isinstance(users_raw, Mapping):
-        raise PayloadError("users must be an object")
-    users: dict[str, dict[str, int]] = {}
-    for user, row in users_raw.items():
-        if user not in labels:
-            raise PayloadError(
-                f"users has label {user!r} that is neither labelled nor {OTHER_USER}"
-            )
-        counters = _str_int_map(row, f"users[{user!r}]")
-        unknown = set(counters) - set(COUNTER_FIELDS)
-        if unknown:
-            raise PayloadError(
-                f"users[{user!r}] has unknown counters {sorted(unknown)}"
-            )
-        users[user] = counters
+    users = _counter_rows(raw.get("users"), "users", labels, OTHER_USER)
     default_limit = raw.get("default_limit")
     if default_limit is not None:
         default_limit = _int(default_limit, "default_limit")
@@ -333,6 +436,14 @@ def parse(raw: object) -> Payload:
         ):
             raise PayloadError(f"control_rpcs entry {entry!r} is not [method, code, n]")
         rpcs[(entry[0], entry[1])] = _int(entry[2], "control_rpcs count")
+    try:
+        mode = parse_mode(raw.get("mode"), field="mode")
+    except ValueError as exc:
+        raise PayloadError(str(exc)) from None
+    tiers = _str_int_map(raw.get("tiers"), "tiers")
+    tier_counters = _counter_rows(
+        raw.get("tier_counters"), "tier_counters", set(tiers) | {OTHER_TIER}, OTHER_TIER
+    )
     return Payload(
         users=users,
         limits=limits,
@@ -343,6 +454,9 @@ def parse(raw: object) -> Payload:
         limit_changes=_int(raw.get("limit_changes"), "limit_changes"),
         config_reloads=reloads,
         control_rpcs=rpcs,
+        mode=mode,
+        tiers=tiers,
+        tier_counters=tier_counters,
     )
 
 
@@ -420,6 +534,28 @@ def _int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PayloadError(f"{name} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _counter_rows(
+    value: object, name: str, labels: set[str], other: str
+) -> dict[str, dict[str, int]]:
+    """``value`` as label -> {counter field -> delta}, every label in ``labels``."""
+    if not isinstance(value, Mapping):
+        raise PayloadError(f"{name} must be an object")
+    rows: dict[str, dict[str, int]] = {}
+    for label, row in value.items():
+        if label not in labels:
+            raise PayloadError(
+                f"{name} has label {label!r} that is neither labelled nor {other}"
+            )
+        counters = _str_int_map(row, f"{name}[{label!r}]")
+        unknown = set(counters) - set(COUNTER_FIELDS)
+        if unknown:
+            raise PayloadError(
+                f"{name}[{label!r}] has unknown counters {sorted(unknown)}"
+            )
+        rows[label] = counters
+    return rows
 
 
 def _str_int_map(value: object, name: str) -> dict[str, int]:

@@ -29,12 +29,15 @@ from engine_ext import metrics
 from engine_ext.scheduler import OutputRateScheduler
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
+    OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
     PayloadBuilder,
     attach,
 )
 from pacing.accounting import Accounting
+from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
 from pacing.shared import ControlPlaneSnapshot
 from tools.scheduler_harness import make_scheduler
 
@@ -192,6 +195,72 @@ def test_counters_accumulate_and_unlabelled_users_lose_their_series(
     assert sample(charged, user=OTHER_USER) == 4
 
 
+def test_mode_and_tiers_reach_vllms_registry_through_the_real_pipeline(
+    manager: StatLoggerManager,
+) -> None:
+    limiter = OutputRateLimiter(
+        100,
+        {},
+        tier_rates={"free": 20, "pro": 200},
+        memberships={"alice": "free", "bob": "pro", "carol": "staff"},
+        exempt_tiers={"staff"},
+    )
+    accounting = Accounting()
+    accounting.record("alice", "charged", 4)
+    accounting.record("alice", "shadow_skips", 3)
+    accounting.record("bob", "charged", 9)
+    accounting.record("bob", "refunds", 1)
+    accounting.record("carol", "charged", 50)
+    accounting.record("erin", "throttled_skips", 8)  # in no tier
+    builder = PayloadBuilder()
+
+    def step(mode: Mode) -> None:
+        payload = builder.build(
+            accounting=accounting,
+            user_rates={},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=0,
+            mode=mode,
+            limiter=limiter,
+        )
+        manager.record(scheduler_stats=engine_step(payload), iteration_stats=None)
+
+    step(Mode.SHADOW)
+    assert {m.value: sample("vllm:output_rate_mode", mode=m.value) for m in Mode} == {
+        "enforce": 0,
+        "shadow": 1,
+        "off": 0,
+    }
+    tier_charged = "vllm:output_rate_tier_tokens_charged_total"
+    assert sample(tier_charged, tier="free") == 4
+    assert sample(tier_charged, tier="pro") == 9
+    assert sample(tier_charged, tier="staff") == 50
+    assert sample("vllm:output_rate_tier_shadow_skips_total", tier="free") == 3
+    assert sample("vllm:output_rate_tier_refunds_total", tier="pro") == 1
+    assert sample("vllm:output_rate_tier_refunds_total", tier="free") == 0
+    assert sample("vllm:output_rate_tier_throttled_skips_total", tier=OTHER_TIER) == 0
+    tier_limit = "vllm:output_rate_tier_limit_tokens_per_second"
+    assert sample(tier_limit, tier="free") == 20
+    assert sample(tier_limit, tier="pro") == 200
+    assert sample(tier_limit, tier="staff") is None  # exempt: unlimited
+
+    # The kill switch; pro is removed (bob leaves it first), staff loses its
+    # exemption and gets a rate.
+    limiter.set_membership("bob", None, now_ns=0)
+    limiter.set_tier_rate("pro", None, now_ns=0)
+    limiter.set_tier_rate("staff", 5, now_ns=0)
+    limiter.set_tier_exempt("staff", False, now_ns=0)
+    accounting.record("alice", "charged", 1)
+    step(Mode.OFF)
+    assert sample("vllm:output_rate_mode", mode="off") == 1
+    assert sample("vllm:output_rate_mode", mode="shadow") == 0
+    assert sample(tier_charged, tier="free") == 5
+    assert sample(tier_charged, tier="pro") is None
+    assert sample(tier_limit, tier="pro") is None
+    assert sample(tier_limit, tier="staff") == 5
+
+
 def test_our_metrics_survive_vllm_rebuilding_its_prometheus_logger(
     manager: StatLoggerManager, vllm_config: VllmConfig
 ) -> None:
@@ -229,7 +298,7 @@ def test_a_malformed_payload_is_dropped_and_still_removed(
         plugin.record(engine_step({"v": 999}), None)
     assert stats.kv_connector_stats is None
     assert [r.message for r in caplog.records].count(
-        "dropping malformed output-rate stats: payload version 999 is not 1: "
+        "dropping malformed output-rate stats: payload version 999 is not 2: "
         "engine core and API process run different engine_ext versions"
     ) == 1
     assert b"output_rate" not in generate_latest(registry)

@@ -19,6 +19,7 @@ from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     MAX_PENDING_IDLE_WAITS,
     OTHER_METHOD,
+    OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
     FailureLog,
@@ -29,6 +30,8 @@ from engine_ext.stats_payload import (
     take_payload,
 )
 from pacing.accounting import Accounting
+from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
 from pacing.settings import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
 
@@ -352,13 +355,14 @@ def test_attach_and_take_payload_leave_connector_data_alone() -> None:
 
 
 def _valid() -> dict:
-    return build(PayloadBuilder(), Accounting(), {"alice": 5})
+    limiter = OutputRateLimiter(10, {}, tier_rates={"free": 20})
+    return build(PayloadBuilder(), Accounting(), {"alice": 5}, limiter=limiter)
 
 
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda p: p.update(v=2), "payload version 2"),
+        (lambda p: p.update(v=1), "payload version 1 is not 2"),
         (lambda p: p.update(users={"mallory": {"charged": 1}}), "'mallory'"),
         (lambda p: p.update(users={OTHER_USER: {"bogus": 1}}), "unknown counters"),
         (lambda p: p.update(users={OTHER_USER: {"charged": -1}}), "non-negative"),
@@ -368,6 +372,15 @@ def _valid() -> dict:
         (lambda p: p.update(config_reloads={"maybe": 1}), "config_reloads"),
         (lambda p: p.update(control_rpcs=[["m", "NOPE", 1]]), "control_rpcs entry"),
         (lambda p: p.pop("tracked_users"), "tracked_users"),
+        (lambda p: p.update(mode="fast"), "mode must be one of"),
+        (lambda p: p.pop("mode"), "mode must be one of"),
+        (lambda p: p.update(tiers={"free": -1}), "tiers\\['free'\\]"),
+        (lambda p: p.update(tier_counters={"pro": {"charged": 1}}), "'pro'"),
+        (
+            lambda p: p.update(tier_counters={"free": {"bogus": 1}}),
+            "unknown counters",
+        ),
+        (lambda p: p.update(tier_counters=[]), "tier_counters must be an object"),
     ],
 )
 def test_parse_rejects_malformed_payloads_naming_the_field(mutate, message) -> None:
@@ -381,3 +394,201 @@ def test_parse_rejects_malformed_payloads_naming_the_field(mutate, message) -> N
 def test_parse_rejects_a_non_object() -> None:
     with pytest.raises(PayloadError, match="must be an object"):
         parse([1, 2])
+
+
+# -- mode and tiers -------------------------------------------------------------
+
+
+def test_the_mode_travels_as_its_name() -> None:
+    builder = PayloadBuilder()
+    assert build(builder, Accounting(), {})["mode"] == "enforce"  # the default
+    for mode in Mode:
+        raw = build(builder, Accounting(), {}, mode=mode)
+        assert raw["mode"] == mode.value
+        assert parse(raw).mode is mode
+
+
+def tiered_limiter() -> OutputRateLimiter:
+    """free: 20 (alice, bob), pro: 200 (carol), staff: exempt (dave); erin in
+    no tier."""
+    return OutputRateLimiter(
+        10,
+        {"bob": 5},  # a member with a limit of its own still counts in its tier
+        tier_rates={"free": 20, "pro": 200},
+        memberships={"alice": "free", "bob": "free", "carol": "pro", "dave": "staff"},
+        exempt_tiers={"staff"},
+    )
+
+
+def test_tier_counters_sum_their_members_events() -> None:
+    accounting = Accounting()
+    accounting.record("alice", "charged", 3)
+    accounting.record("bob", "charged", 4)
+    accounting.record("bob", "throttled_skips", 2)
+    accounting.record("carol", "shadow_skips", 5)
+    accounting.record("dave", "charged", 7)
+    accounting.record("erin", "charged", 100)
+    raw = build(PayloadBuilder(), accounting, {}, limiter=tiered_limiter())
+    assert raw["tiers"] == {"free": 20, "pro": 200, "staff": 0}  # 0: exempt
+    assert raw["tier_counters"] == {
+        "free": {"charged": 7, "throttled_skips": 2},
+        "pro": {"shadow_skips": 5},
+        "staff": {"charged": 7},
+    }
+    payload = parse(raw)
+    assert payload.tiers == raw["tiers"]
+    assert payload.tier_counters == raw["tier_counters"]
+
+
+def test_tier_counters_are_deltas_and_follow_membership_changes() -> None:
+    accounting = Accounting()
+    limiter = tiered_limiter()
+    builder = PayloadBuilder()
+    accounting.record("alice", "charged", 3)
+    build(builder, accounting, {}, limiter=limiter)
+    assert build(builder, accounting, {}, limiter=limiter)["tier_counters"] == {}
+    # alice moves to pro: her earlier events stay with free, new ones go to pro.
+    limiter.set_membership("alice", "pro", now_ns=0)
+    accounting.record("alice", "charged", 2)
+    raw = build(builder, accounting, {}, limiter=limiter)
+    assert raw["tier_counters"] == {"pro": {"charged": 2}}
+    # erin joins free: only what she does from then on counts there.
+    accounting.record("erin", "charged", 50)
+    build(builder, accounting, {}, limiter=limiter)
+    limiter.set_membership("erin", "free", now_ns=0)
+    accounting.record("erin", "charged", 1)
+    raw = build(builder, accounting, {}, limiter=limiter)
+    assert raw["tier_counters"] == {"free": {"charged": 1}}
+
+
+def test_a_forgotten_member_who_returns_counts_from_zero() -> None:
+    accounting = Accounting()
+    limiter = tiered_limiter()
+    builder = PayloadBuilder()
+    accounting.record("alice", "charged", 5)
+    build(builder, accounting, {}, limiter=limiter)
+    accounting.forget(set())  # idle cleanup dropped alice's entry
+    accounting.record("alice", "charged", 7)  # more than she had before
+    raw = build(builder, accounting, {}, limiter=limiter)
+    assert raw["tier_counters"] == {"free": {"charged": 7}}
+
+
+def test_events_from_before_the_first_tier_are_no_tiers_events() -> None:
+    accounting = Accounting()
+    limiter = OutputRateLimiter(10, {})
+    builder = PayloadBuilder()
+    accounting.record("alice", "charged", 5)
+    raw = build(builder, accounting, {}, limiter=limiter)
+    assert (raw["tiers"], raw["tier_counters"]) == ({}, {})
+    accounting.record("alice", "charged", 1)
+    limiter.set_tier_rate("free", 20, now_ns=0)
+    limiter.set_membership("alice", "free", now_ns=0)
+    raw = build(builder, accounting, {}, limiter=limiter)
+    assert (raw["tiers"], raw["tier_counters"]) == ({"free": 20}, {})
+    accounting.record("alice", "charged", 2)
+    raw = build(builder, accounting, {}, limiter=limiter)
+    assert raw["tier_counters"] == {"free": {"charged": 2}}
+
+
+def test_the_tier_cap_bounds_tier_labels_and_the_rest_aggregate() -> None:
+    tiers = {f"t{i:02d}": 10 + i for i in range(5)}
+    limiter = OutputRateLimiter(
+        10, {}, tier_rates=tiers, memberships={f"u{i}": t for i, t in enumerate(tiers)}
+    )
+    accounting = Accounting()
+    for i in range(5):
+        accounting.record(f"u{i}", "charged", i + 1)
+    raw = build(PayloadBuilder(max_labelled_tiers=2), accounting, {}, limiter=limiter)
+    assert raw["tiers"] == {"t00": 10, "t01": 11}
+    assert raw["tier_counters"] == {
+        "t00": {"charged": 1},
+        "t01": {"charged": 2},
+        OTHER_TIER: {"charged": 3 + 4 + 5},
+    }
+
+
+def test_tiers_named_like_reserved_labels_are_never_labelled() -> None:
+    limiter = OutputRateLimiter(
+        10, {}, tier_rates={OTHER_TIER: 5}, memberships={"alice": OTHER_TIER}
+    )
+    accounting = Accounting()
+    accounting.record("alice", "charged", 2)
+    raw = build(PayloadBuilder(), accounting, {}, limiter=limiter)
+    assert raw["tiers"] == {}
+    assert raw["tier_counters"] == {OTHER_TIER: {"charged": 2}}
+    assert parse(raw).tier_counters == {OTHER_TIER: {"charged": 2}}
+
+
+def test_without_a_limiter_there_are_no_tiers() -> None:
+    accounting = Accounting()
+    accounting.record("alice", "charged", 2)
+    raw = build(PayloadBuilder(), accounting, {})
+    assert (raw["tiers"], raw["tier_counters"]) == ({}, {})
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cap=st.integers(min_value=0, max_value=2),
+    steps=st.lists(
+        st.tuples(
+            st.lists(  # events: (user index, counter field, count)
+                st.tuples(
+                    st.integers(0, 4),
+                    st.sampled_from(COUNTER_FIELDS),
+                    st.integers(1, 3),
+                ),
+                max_size=6,
+            ),
+            # memberships now: user index -> tier index (3: no tier)
+            st.dictionaries(st.integers(0, 4), st.integers(0, 3)),
+            st.booleans(),  # tiers exist at this build
+            st.sets(st.integers(0, 4)),  # users the accounting forgets first
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_tier_deltas_attribute_every_event_to_the_tier_at_the_next_build(
+    cap: int, steps: list
+) -> None:
+    """Against a reference that remembers every event: each event recorded
+    between two builds counts once, in the tier its user belongs to at the
+    later build, when tiers exist at both (or the later is the first build)."""
+    accounting = Accounting()
+    builder = PayloadBuilder(max_labelled_tiers=cap)
+    emitted = {name: 0 for name in COUNTER_FIELDS}
+    expected = dict(emitted)
+    pending: dict[int, dict[str, int]] = {}  # user -> events since last build
+    tracked = True  # the first build counts everything
+    for events, members, tiers_exist, forgotten in steps:
+        accounting.forget({f"u{i}" for i in range(5)} - {f"u{i}" for i in forgotten})
+        for user in forgotten:
+            pending.pop(user, None)  # gone before any build saw them
+        for user, event, count in events:
+            accounting.record(f"u{user}", event, count)
+            row = pending.setdefault(user, {})
+            row[event] = row.get(event, 0) + count
+        if tiers_exist:
+            limiter = OutputRateLimiter(
+                10,
+                {},
+                tier_rates={"t0": 1, "t1": 2, "t2": 3},
+                memberships={f"u{u}": f"t{t}" for u, t in members.items() if t < 3},
+            )
+        else:
+            limiter = OutputRateLimiter(10, {})
+        raw = build(builder, accounting, {}, limiter=limiter)
+        assert len(raw["tiers"]) <= cap
+        assert set(raw["tier_counters"]) <= {*raw["tiers"], OTHER_TIER}
+        if tiers_exist and tracked:
+            for user, row in pending.items():
+                if members.get(user, 3) < 3:
+                    for event, count in row.items():
+                        expected[event] += count
+        tracked = tiers_exist
+        pending = {}
+        for row in raw["tier_counters"].values():
+            for event, delta in row.items():
+                assert delta > 0
+                emitted[event] += delta
+    assert emitted == expected
