@@ -39,6 +39,10 @@ EXPORTED = {
     metrics.LIMIT_CHANGES,
     metrics.CONFIG_RELOADS,
     metrics.CONTROL_RPCS,
+    metrics.SHADOW_SKIPS,
+    metrics.MODE,
+    *metrics.TIER_COUNTERS.values(),
+    metrics.TIER_LIMIT_TOKENS_PER_SECOND,
 }
 HISTOGRAM_SERIES = {
     f"{metrics.IDLE_WAIT_SECONDS}{suffix}" for suffix in ("_bucket", "_sum", "_count")
