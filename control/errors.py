@@ -31,6 +31,13 @@ class AlreadyExists(ControlError):
     code = "ALREADY_EXISTS"
 
 
+class FailedPrecondition(ControlError):
+    """The request is well-formed but the current state refuses it (a tier that
+    does not exist, a tier that still has members)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class Aborted(ControlError):
     """A concurrent change won: the request's etag is not the current one."""
 

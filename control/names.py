@@ -1,21 +1,24 @@
-"""Resource names of the API (AIP-122): ``limits/{user}``, ``userStates/{user}``
-and the singletons ``defaultLimit`` and ``limitsTable``.
+"""Resource names of the API (AIP-122): ``limits/{user}``, ``tiers/{tier}``,
+``userStates/{user}`` and the singletons ``defaultLimit``, ``limitsTable`` and
+``pacingMode``.
 
-The user id is everything after the collection prefix, verbatim: ids may contain
-``/``, and escaping them would make names differ from the ids operators type. It
-must be valid by ``pacing.identity.validate_user``. Error messages show names
-through ``shown`` (bounded, escaped).
+The user or tier id is everything after the collection prefix, verbatim: ids may
+contain ``/``, and escaping them would make names differ from the ids operators
+type. It must be valid by ``pacing.identity.validate_user`` (tier ids follow
+the same rule). Error messages show names through ``shown`` (bounded, escaped).
 """
 
 from __future__ import annotations
 
 from control.errors import InvalidArgument
-from control.table import check_user, shown
+from control.table import check_tier, check_user, shown
 
 LIMITS = "limits/"
+TIERS = "tiers/"
 USER_STATES = "userStates/"
 DEFAULT_LIMIT = "defaultLimit"
 LIMITS_TABLE = "limitsTable"
+PACING_MODE = "pacingMode"
 
 
 def limit_name(user: str) -> str:
@@ -27,6 +30,17 @@ def limit_user(name: str) -> str:
     """The user id in ``limits/{user}``, a name the server sent (it checked the
     id, so it is not checked again)."""
     return name.removeprefix(LIMITS)
+
+
+def tier_name(tier: str) -> str:
+    """``tiers/{tier}``."""
+    return TIERS + tier
+
+
+def tier_id(name: str) -> str:
+    """The tier id in ``tiers/{tier}``, a name the server sent (not checked
+    again); ``""`` for ``""`` (no tier)."""
+    return name.removeprefix(TIERS)
 
 
 def user_state_name(user: str) -> str:
@@ -42,6 +56,16 @@ def parse_user(name: str, prefix: str, *, field: str) -> str:
             f"{field} must look like {prefix}{{user}}, got {shown(name)}"
         )
     return check_user(name[len(prefix) :], field=f"user id in {field}")
+
+
+def parse_tier(name: str, *, field: str) -> str:
+    """The tier id of ``tiers/{tier}``; InvalidArgument naming ``field`` when
+    ``name`` has another form or the id is invalid."""
+    if not name.startswith(TIERS):
+        raise InvalidArgument(
+            f"{field} must look like {TIERS}{{tier}}, got {shown(name)}"
+        )
+    return check_tier(name[len(TIERS) :], field=f"tier id in {field}")
 
 
 def check_singleton(name: str, expected: str, *, field: str) -> None:

@@ -1,22 +1,26 @@
 """The limits table's config file (``--user-output-rate-config PATH``): loaded at
 start, rewritten atomically after every accepted change, watched for edits.
 
-Format: see ``control.table`` (JSON for ``*.json``, YAML for ``*.yaml``/``*.yml``).
+Format: see ``control.table`` (JSON for ``*.json``, YAML for ``*.yaml``/``*.yml``):
+the pacing mode, the default, tiers, user limits, memberships and exemptions.
 
 Rules:
 
 - At start the table is the flags' table overlaid by the file: the file's
-  default wins over ``--default-user-output-tokens-per-second`` and the file's
-  entry wins for a user both name. A missing file is created from the flags; a
-  file that does not parse or validate stops the start-up with an error naming
-  the field (running on the flags alone could silently loosen limits).
+  default wins over ``--default-user-output-tokens-per-second``, its mode over
+  ``--output-rate-mode``, and the file's limit wins for a user both name; tiers,
+  memberships and exemptions come from the file alone (no flag sets them). A
+  missing file is created from the flags; a file that does not parse or
+  validate stops the start-up with an error naming the field (running on the
+  flags alone could silently loosen limits).
 - Every accepted change (RPC) writes the whole table: a temp file in the same
   directory, fsync, rename over the file, fsync the directory. A reader sees
   the old file or the new one, never a mix; a crash leaves one of them. The
   file keeps its mode, owner and group (a new one gets ``0666 & ~umask``). If
   the write fails it is logged and the change is not applied.
 - An edit of the file by anyone else is noticed within one poll interval
-  (content hash compared every poll) and applied as ``flags overlaid by file``.
+  (content hash compared every poll) and applied as ``flags overlaid by file``,
+  the mode included (an edit that removes the mode brings back the flags').
   An edit that does not parse or validate is logged, counted in ``failures``,
   and ignored: the last good table stays in force until a good edit comes.
 - Limits survive a restart. TATs do not, on purpose: they are monotonic clock
@@ -48,16 +52,25 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 DEFAULT_POLL_INTERVAL_S = 1.0
 _YAML_HEADER = (
-    "# Per-user output-token limits (tokens per second). Edits are applied live;\n"
-    "# the control plane rewrites this file after every change it accepts.\n"
+    "# Per-user output-token limits (tokens per second), tiers, exemptions and\n"
+    "# the pacing mode. Edits are applied live; the control plane rewrites this\n"
+    "# file after every change it accepts.\n"
 )
 
 
 def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
-    """``flags`` overlaid by ``file``: the file's default and users win."""
-    default = file.default_rate if file.default_rate is not None else flags.default_rate
+    """``flags`` overlaid by ``file``: the file's default, mode and user limits
+    win; its tiers, memberships and exemptions are added (the etag dropped)."""
     return TableDocument(
-        default_rate=default, user_rates={**flags.user_rates, **file.user_rates}
+        default_rate=(
+            file.default_rate if file.default_rate is not None else flags.default_rate
+        ),
+        user_rates={**flags.user_rates, **file.user_rates},
+        tier_rates={**flags.tier_rates, **file.tier_rates},
+        exempt_tiers=flags.exempt_tiers | file.exempt_tiers,
+        memberships={**flags.memberships, **file.memberships},
+        exempt_users=flags.exempt_users | file.exempt_users,
+        mode=file.mode if file.mode is not None else flags.mode,
     )
 
 

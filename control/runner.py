@@ -28,6 +28,7 @@ from control.persistence import (
 from control.server import ControlServer, create_server
 from control.service import LimitsService
 from control.table import TableDocument
+from pacing.modes import Mode
 from pacing.settings import ControlSettings, OutputRateSettings
 from pacing.shared import ControlPlaneSnapshot, SharedLimiter
 
@@ -70,25 +71,32 @@ def serve(
     shared: SharedLimiter,
     settings: ControlSettings,
     *,
+    mode: Mode | None = None,
     tracer_provider: trace.TracerProvider | None = None,
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
 ) -> ControlPlane:
-    """Loads the config file into ``shared``'s limiter (the limiter's current
-    table counts as the flags), starts the server on ``settings.address``, marks
-    it SERVING and hands its counters to ``shared`` for the metrics. Raises on a
-    bad config file, bad TLS or token files, or an address it may not or cannot
-    bind; nothing keeps running then."""
+    """Loads the config file into ``shared``'s limiter and mode (the limiter's
+    current table and ``mode``, by default ``shared``'s, count as the flags),
+    starts the server on ``settings.address``, marks it SERVING and hands its
+    counters to ``shared`` for the metrics. Raises on a bad config file, bad TLS
+    or token files, or an address it may not or cannot bind; nothing keeps
+    running then."""
     with shared.lock:
         flags = TableDocument(
             default_rate=shared.limiter.default_rate,
             user_rates=shared.limiter.user_rates,
+            tier_rates=shared.limiter.tier_rates,
+            exempt_tiers=shared.limiter.exempt_tiers,
+            memberships=shared.limiter.memberships,
+            exempt_users=shared.limiter.exempt_users,
+            mode=shared.mode if mode is None else mode,
         )
     file = None if settings.config_path is None else ConfigFile(settings.config_path)
     service = LimitsService(shared, persist=None if file is None else file.write)
+    start_table = flags if file is None else load_at_start(file, flags)
+    service.reload(lambda: start_table)
     watcher = None
     if file is not None:
-        start_table = load_at_start(file, flags)
-        service.reload(lambda: start_table)
         watcher = ConfigWatcher(file, service, flags, interval_s=poll_interval_s)
     server, port = create_server(
         settings.address,
@@ -110,9 +118,9 @@ def serve(
 
 
 def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:
-    """``serve`` with ``settings.control``; ``None`` when the settings ask for no
-    control plane: no ``control`` section (an offline ``LLM`` without one) or
-    address ``off``."""
+    """``serve`` with ``settings.control`` and the start-up mode of ``settings``;
+    ``None`` when the settings ask for no control plane: no ``control`` section
+    (an offline ``LLM`` without one) or address ``off``."""
     if settings.control is None or not settings.control.enabled:
         return None
-    return serve(shared, settings.control)
+    return serve(shared, settings.control, mode=settings.mode)

@@ -13,8 +13,17 @@ from google.protobuf import empty_pb2 as _empty_pb2
 
 from control import names
 from control.errors import ResourceExhausted
-from control.service import Limit, LimitsService, LimitsTable
-from pacing.shared import UserSnapshot
+from control.service import (
+    Limit,
+    LimitSpec,
+    LimitsService,
+    LimitsTable,
+    PacingMode,
+    Tier,
+    TierSpec,
+    UserState,
+)
+from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
@@ -22,6 +31,19 @@ from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 SERVICE_NAME = _pb2.DESCRIPTOR.services_by_name["OutputRateControl"].full_name
 #: Concurrent watches allowed: each holds a server worker thread for its life.
 MAX_WATCHES = 4
+_MODES = {
+    Mode.ENFORCE: _pb2.PacingMode.ENFORCE,
+    Mode.SHADOW: _pb2.PacingMode.SHADOW,
+    Mode.OFF: _pb2.PacingMode.OFF,
+}
+_MODES_BY_NUMBER = {number: mode for mode, number in _MODES.items()}
+_SOURCES = {
+    "user": _pb2.UserState.USER,
+    "tier": _pb2.UserState.TIER,
+    "default": _pb2.UserState.DEFAULT,
+    "exempt": _pb2.UserState.EXEMPT,
+    "off": _pb2.UserState.OFF,
+}
 
 
 class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
@@ -66,29 +88,102 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
     def CreateLimit(
         self, request: _pb2.CreateLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.Limit:
+        limit = request.limit
         return _limit(
             self._service.create_limit(
-                request.limit_id, request.limit.tokens_per_second
+                request.limit_id,
+                limit.tokens_per_second,
+                tier=limit.tier,
+                exempt=limit.exempt,
             )
         )
 
     def UpdateLimit(
         self, request: _pb2.UpdateLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.Limit:
+        limit = request.limit
         return _limit(
             self._service.update_limit(
-                request.limit.name,
-                request.limit.tokens_per_second,
+                limit.name,
+                limit.tokens_per_second,
                 list(request.update_mask.paths),
                 allow_missing=request.allow_missing,
+                tier=limit.tier,
+                exempt=limit.exempt,
+                etag=limit.etag,
             )
         )
 
     def DeleteLimit(
         self, request: _pb2.DeleteLimitRequest, context: grpc.ServicerContext
     ) -> _empty_pb2.Empty:
-        self._service.delete_limit(request.name, allow_missing=request.allow_missing)
+        self._service.delete_limit(
+            request.name, allow_missing=request.allow_missing, etag=request.etag
+        )
         return _empty_pb2.Empty()
+
+    def GetTier(
+        self, request: _pb2.GetTierRequest, context: grpc.ServicerContext
+    ) -> _pb2.Tier:
+        return _tier(self._service.get_tier(request.name))
+
+    def ListTiers(
+        self, request: _pb2.ListTiersRequest, context: grpc.ServicerContext
+    ) -> _pb2.ListTiersResponse:
+        tiers, token = self._service.list_tiers(request.page_size, request.page_token)
+        return _pb2.ListTiersResponse(
+            tiers=[_tier(tier) for tier in tiers], next_page_token=token
+        )
+
+    def CreateTier(
+        self, request: _pb2.CreateTierRequest, context: grpc.ServicerContext
+    ) -> _pb2.Tier:
+        return _tier(
+            self._service.create_tier(
+                request.tier_id, request.tier.tokens_per_second, request.tier.exempt
+            )
+        )
+
+    def UpdateTier(
+        self, request: _pb2.UpdateTierRequest, context: grpc.ServicerContext
+    ) -> _pb2.Tier:
+        tier = request.tier
+        return _tier(
+            self._service.update_tier(
+                tier.name,
+                tier.tokens_per_second,
+                tier.exempt,
+                list(request.update_mask.paths),
+                allow_missing=request.allow_missing,
+                etag=tier.etag,
+            )
+        )
+
+    def DeleteTier(
+        self, request: _pb2.DeleteTierRequest, context: grpc.ServicerContext
+    ) -> _empty_pb2.Empty:
+        self._service.delete_tier(
+            request.name, allow_missing=request.allow_missing, etag=request.etag
+        )
+        return _empty_pb2.Empty()
+
+    def GetPacingMode(
+        self, request: _pb2.GetPacingModeRequest, context: grpc.ServicerContext
+    ) -> _pb2.PacingMode:
+        return _pacing_mode(self._service.get_pacing_mode(request.name))
+
+    def UpdatePacingMode(
+        self, request: _pb2.UpdatePacingModeRequest, context: grpc.ServicerContext
+    ) -> _pb2.PacingMode:
+        mode = request.pacing_mode
+        return _pacing_mode(
+            self._service.update_pacing_mode(
+                mode.name,
+                _MODES_BY_NUMBER.get(mode.mode),
+                list(request.update_mask.paths),
+                etag=mode.etag,
+            )
+        )
 
     def GetLimitsTable(
         self, request: _pb2.GetLimitsTableRequest, context: grpc.ServicerContext
@@ -102,8 +197,12 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         return _table(
             self._service.replace_limits_table(
                 table.default_tokens_per_second,
-                [(limit.name, limit.tokens_per_second) for limit in table.limits],
+                [
+                    LimitSpec(x.name, x.tokens_per_second, x.tier, x.exempt)
+                    for x in table.limits
+                ],
                 table.etag,
+                [TierSpec(x.name, x.tokens_per_second, x.exempt) for x in table.tiers],
             )
         )
 
@@ -161,7 +260,29 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
 
 
 def _limit(limit: Limit) -> _pb2.Limit:
-    return _pb2.Limit(name=limit.name, tokens_per_second=limit.tokens_per_second)
+    return _pb2.Limit(
+        name=limit.name,
+        tokens_per_second=limit.tokens_per_second,
+        tier="" if limit.tier is None else names.tier_name(limit.tier),
+        exempt=limit.exempt,
+        etag=limit.etag,
+    )
+
+
+def _tier(tier: Tier) -> _pb2.Tier:
+    return _pb2.Tier(
+        name=tier.name,
+        tokens_per_second=tier.tokens_per_second,
+        exempt=tier.exempt,
+        member_count=tier.member_count,
+        etag=tier.etag,
+    )
+
+
+def _pacing_mode(mode: PacingMode) -> _pb2.PacingMode:
+    return _pb2.PacingMode(
+        name=names.PACING_MODE, mode=_MODES[mode.mode], etag=mode.etag
+    )
 
 
 def _table(table: LimitsTable) -> _pb2.LimitsTable:
@@ -170,10 +291,12 @@ def _table(table: LimitsTable) -> _pb2.LimitsTable:
         default_tokens_per_second=table.default_tokens_per_second,
         limits=[_limit(limit) for limit in table.limits],
         etag=table.etag,
+        tiers=[_tier(tier) for tier in table.tiers],
     )
 
 
-def _user_state(state: UserSnapshot) -> _pb2.UserState:
+def _user_state(view: UserState) -> _pb2.UserState:
+    state = view.snapshot
     return _pb2.UserState(
         name=names.user_state_name(state.user),
         user=state.user,
@@ -187,6 +310,10 @@ def _user_state(state: UserSnapshot) -> _pb2.UserState:
         running_requests=state.running_requests,
         throttled_requests=state.throttled_requests,
         recent_tokens_per_second=state.recent_tokens_per_second,
+        limit_source=_SOURCES[view.source.kind],
+        tier="" if view.tier is None else names.tier_name(view.tier),
+        shadow_skips=view.shadow_skips,
+        pacing_mode=_MODES[view.mode],
     )
 
 

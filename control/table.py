@@ -1,29 +1,48 @@
-"""The limits table as a document: validation of user ids and rates, and the
-JSON/YAML format shared by the config file and the CLI's import/export.
+"""The limits table as a document: validation of user ids, tier ids and rates,
+and the JSON/YAML format shared by the config file and the CLI's import/export.
 
-Format (JSON shown; YAML is the same tree)::
+Format (YAML shown; JSON is the same tree)::
 
-    {
-      "default_tokens_per_second": 100,
-      "users": {"user-a": 100, "user-b": 500},
-      "etag": "..."
-    }
+    mode: enforce                  # enforce, shadow or off
+    default_tokens_per_second: 100
+    tiers:                         # tier id -> rate and/or exemption
+      free: {tokens_per_second: 20}
+      pro: {tokens_per_second: 200}
+      staff: {exempt: true}
+    users:                         # user id -> its own limit (wins over its tier)
+      user-a: 500
+    memberships:                   # user id -> tier id
+      user-b: free
+      user-c: pro
+    exempt_users: [ops-bot]        # unlimited, whatever their limit or tier
+    etag: "..."
 
+- ``mode``: optional; the pacing mode (``pacing.modes``). ``false`` counts as
+  ``off``: YAML 1.1 reads an unquoted ``mode: off`` so.
 - ``default_tokens_per_second``: optional; an integer in 1..1000000.
-- ``users``: optional; user id -> integer tokens/s. User ids follow the one
-  rule of ``pacing.identity.validate_user`` (1..256 UTF-8 bytes of
+- ``tiers``: optional; each tier has ``tokens_per_second`` (an integer in
+  1..1000000), ``exempt: true``, or both (the rate applies again once the
+  exemption is lifted). At most ``MAX_TIERS``.
+- ``users``: optional; user id -> integer tokens/s. User ids and tier ids follow
+  the one rule of ``pacing.identity.validate_user`` (1..256 UTF-8 bytes of
   well-formed Unicode without control, format or separator characters).
+- ``memberships``: optional; user id -> the id of a tier in ``tiers``.
+- ``exempt_users``: optional; a list of user ids, each at most once.
 - ``etag``: optional; written by ``output-rate-ctl export`` so that ``import``
   fails when the table changed in between. The config file ignores it.
 
-Anything else (unknown keys, fractional or boolean rates, duplicate keys) is an
-error naming the offending field.
+Which limit applies to a user is ``pacing.limits``' rule: own exemption, own
+limit, exempt tier, tier rate, default. At most ``MAX_EXPLICIT_LIMITS`` users
+may appear in ``users``, ``memberships`` and ``exempt_users`` together.
+
+Anything else (unknown keys, fractional or boolean rates, duplicate keys, a
+membership of a tier not in ``tiers``) is an error naming the offending field.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,26 +50,79 @@ import yaml
 
 from control.errors import InvalidArgument
 from pacing.identity import validate_user
-from pacing.limiter import validate_rate
+from pacing.limiter import LimitTable, validate_rate
+from pacing.modes import Mode, parse_mode
 
-#: Most explicit limits one table may hold: bounds memory, the size of one
-#: ``GetLimitsTable`` reply (about 27 MB at 256-byte ids) and of the config file.
+#: Most users one table may name (with a limit, a tier or an exemption): bounds
+#: memory, the size of one ``GetLimitsTable`` reply (about 27 MB at 256-byte
+#: ids) and of the config file.
 MAX_EXPLICIT_LIMITS = 100_000
+#: Most tiers: the metrics label series by tier, so the label set stays small.
+MAX_TIERS = 100
 
+MODE_KEY = "mode"
 DEFAULT_KEY = "default_tokens_per_second"
+TIERS_KEY = "tiers"
 USERS_KEY = "users"
+MEMBERSHIPS_KEY = "memberships"
+EXEMPT_USERS_KEY = "exempt_users"
 ETAG_KEY = "etag"
+#: Keys of one tier's object.
+RATE_KEY = "tokens_per_second"
+EXEMPT_KEY = "exempt"
 
 Format = Literal["json", "yaml"]
 
 
 @dataclass(frozen=True)
 class TableDocument:
-    """A validated table document; ``default_rate`` is ``None`` when absent."""
+    """A validated table document; ``default_rate`` and ``mode`` are ``None``
+    when absent. Every membership names a tier of ``tier_rates`` or
+    ``exempt_tiers``."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
     etag: str | None = None
+    tier_rates: Mapping[str, int] = field(default_factory=dict)
+    exempt_tiers: Set[str] = frozenset()
+    memberships: Mapping[str, str] = field(default_factory=dict)
+    exempt_users: Set[str] = frozenset()
+    mode: Mode | None = None
+
+    @property
+    def tiers(self) -> set[str]:
+        """The tiers that exist: those with a rate or an exemption."""
+        return set(self.tier_rates) | set(self.exempt_tiers)
+
+    def users(self) -> set[str]:
+        """Every user with an entry: a limit, a tier or an exemption."""
+        return set(self.user_rates) | set(self.memberships) | set(self.exempt_users)
+
+    def same_table(self, other: TableDocument) -> bool:
+        """Whether ``other`` holds the same default, entries and tiers (the
+        etag and the mode aside)."""
+        return self._table_fields() == other._table_fields()
+
+    def _table_fields(self) -> tuple[Any, ...]:
+        return (
+            self.default_rate,
+            dict(self.user_rates),
+            dict(self.tier_rates),
+            frozenset(self.exempt_tiers),
+            dict(self.memberships),
+            frozenset(self.exempt_users),
+        )
+
+    def limit_table(self) -> LimitTable:
+        """The pure core's table of these entries and tiers (ValueError if they
+        are inconsistent, which a validated document never is)."""
+        return LimitTable(
+            self.user_rates,
+            self.tier_rates,
+            self.memberships,
+            self.exempt_users,
+            self.exempt_tiers,
+        )
 
 
 def check_user(value: object, *, field: str) -> str:
@@ -80,13 +152,37 @@ def check_rate(value: object, *, field: str) -> int:
         raise InvalidArgument(str(exc)) from None
 
 
+def check_tier(value: object, *, field: str) -> str:
+    """Returns ``value`` if it is a valid tier id (the user-id rule), else
+    raises InvalidArgument."""
+    return check_user(value, field=field)
+
+
+def check_mode(value: object, *, field: str) -> Mode:
+    """``value`` as a ``Mode``, else InvalidArgument naming ``field``."""
+    try:
+        return parse_mode(value, field=field)
+    except ValueError:
+        choices = ", ".join(mode.value for mode in Mode)
+        raise InvalidArgument(
+            f"{field} must be one of {choices}, got {shown(value)}"
+        ) from None
+
+
 def check_table_size(count: int) -> None:
-    """Raises InvalidArgument when a table would hold more than
-    ``MAX_EXPLICIT_LIMITS`` explicit limits."""
+    """Raises InvalidArgument when a table would name more than
+    ``MAX_EXPLICIT_LIMITS`` users."""
     if count > MAX_EXPLICIT_LIMITS:
         raise InvalidArgument(
-            f"a table holds at most {MAX_EXPLICIT_LIMITS} explicit limits, got {count}"
+            f"a table holds at most {MAX_EXPLICIT_LIMITS} users with a limit, "
+            f"tier or exemption, got {count}"
         )
+
+
+def check_tier_count(count: int) -> None:
+    """Raises InvalidArgument when a table would hold more than ``MAX_TIERS``."""
+    if count > MAX_TIERS:
+        raise InvalidArgument(f"a table holds at most {MAX_TIERS} tiers, got {count}")
 
 
 def parse_document(doc: object, *, source: str) -> TableDocument:
@@ -97,35 +193,119 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
             f"{source}: must be an object with {DEFAULT_KEY!r} and {USERS_KEY!r}, "
             f"got {type(doc).__name__}"
         )
-    unknown = sorted(str(key) for key in doc if key not in _KEYS)
-    if unknown:
-        listed = ", ".join(map(shown, unknown[:_MAX_LISTED]))
-        if len(unknown) > _MAX_LISTED:
-            listed += f" and {len(unknown) - _MAX_LISTED} more"
-        raise InvalidArgument(
-            f"{source}: unknown field(s) {listed}; "
-            f"expected {', '.join(map(repr, _KEYS))}"
-        )
+    _check_keys(doc, _KEYS, f"{source}:")
+    mode = doc.get(MODE_KEY)
+    if mode is False:  # YAML 1.1 reads an unquoted `mode: off` as false
+        mode = Mode.OFF
+    elif mode is not None:
+        mode = check_mode(mode, field=f"{source}: {MODE_KEY}")
     default = doc.get(DEFAULT_KEY)
     if default is not None:
         default = check_rate(default, field=f"{source}: {DEFAULT_KEY}")
-    users = doc.get(USERS_KEY) or {}
-    if not isinstance(users, Mapping):
-        raise InvalidArgument(
-            f"{source}: {USERS_KEY} must be an object mapping user ids to tokens "
-            f"per second, got {type(users).__name__}"
-        )
-    check_table_size(len(users))
+    tier_rates, exempt_tiers = _parse_tiers(doc.get(TIERS_KEY) or {}, source)
+    tiers = tier_rates.keys() | exempt_tiers
+    users = _mapping(doc, USERS_KEY, "user ids to tokens per second", source)
     rates = {
         check_user(user, field=f"{source}: user id {shown(user)}"): check_rate(
             rate, field=f"{source}: {USERS_KEY}[{shown(user)}]"
         )
         for user, rate in users.items()
     }
+    members = _mapping(doc, MEMBERSHIPS_KEY, "user ids to tiers", source)
+    memberships: dict[str, str] = {}
+    for user, tier in members.items():
+        where = f"{source}: {MEMBERSHIPS_KEY}[{shown(user)}]"
+        user = check_user(user, field=f"{source}: user id {shown(user)}")
+        memberships[user] = check_tier(tier, field=where)
+        if tier not in tiers:
+            raise InvalidArgument(f"{where}: tier {shown(tier)} is not in {TIERS_KEY}")
+    exempt_users = _parse_exempt_users(doc.get(EXEMPT_USERS_KEY) or [], source)
+    check_table_size(len(rates.keys() | memberships.keys() | exempt_users))
     etag = doc.get(ETAG_KEY)
     if etag is not None and not isinstance(etag, str):
         raise InvalidArgument(f"{source}: {ETAG_KEY} must be a string")
-    return TableDocument(default_rate=default, user_rates=rates, etag=etag)
+    return TableDocument(
+        default_rate=default,
+        user_rates=rates,
+        etag=etag,
+        tier_rates=tier_rates,
+        exempt_tiers=exempt_tiers,
+        memberships=memberships,
+        exempt_users=exempt_users,
+        mode=mode,
+    )
+
+
+def _check_keys(tree: Mapping[Any, Any], keys: tuple[str, ...], where: str) -> None:
+    unknown = sorted(str(key) for key in tree if key not in keys)
+    if unknown:
+        listed = ", ".join(map(shown, unknown[:_MAX_LISTED]))
+        if len(unknown) > _MAX_LISTED:
+            listed += f" and {len(unknown) - _MAX_LISTED} more"
+        raise InvalidArgument(
+            f"{where} unknown field(s) {listed}; expected {', '.join(map(repr, keys))}"
+        )
+
+
+def _mapping(
+    doc: Mapping[Any, Any], key: str, what: str, source: str
+) -> Mapping[Any, Any]:
+    value = doc.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(
+            f"{source}: {key} must be an object mapping {what}, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def _parse_tiers(tree: object, source: str) -> tuple[dict[str, int], frozenset[str]]:
+    """(tier rates, exempt tiers) of the ``tiers`` object."""
+    if not isinstance(tree, Mapping):
+        raise InvalidArgument(
+            f"{source}: {TIERS_KEY} must be an object mapping tier ids to "
+            f"{{{RATE_KEY}, {EXEMPT_KEY}}}, got {type(tree).__name__}"
+        )
+    check_tier_count(len(tree))
+    rates: dict[str, int] = {}
+    exempt: set[str] = set()
+    for tier, spec in tree.items():
+        where = f"{source}: {TIERS_KEY}[{shown(tier)}]"
+        tier = check_tier(tier, field=f"{source}: tier id {shown(tier)}")
+        if not isinstance(spec, Mapping):
+            raise InvalidArgument(
+                f"{where} must be an object with {RATE_KEY!r} and/or {EXEMPT_KEY!r}, "
+                f"got {type(spec).__name__}"
+            )
+        _check_keys(spec, (RATE_KEY, EXEMPT_KEY), where)
+        is_exempt = spec.get(EXEMPT_KEY, False)
+        if not isinstance(is_exempt, bool):
+            raise InvalidArgument(
+                f"{where}.{EXEMPT_KEY} must be true or false, got {shown(is_exempt)}"
+            )
+        if RATE_KEY in spec:
+            rates[tier] = check_rate(spec[RATE_KEY], field=f"{where}.{RATE_KEY}")
+        elif not is_exempt:
+            raise InvalidArgument(f"{where} needs {RATE_KEY} or {EXEMPT_KEY}: true")
+        if is_exempt:
+            exempt.add(tier)
+    return rates, frozenset(exempt)
+
+
+def _parse_exempt_users(tree: object, source: str) -> frozenset[str]:
+    if not isinstance(tree, list):
+        raise InvalidArgument(
+            f"{source}: {EXEMPT_USERS_KEY} must be a list of user ids, "
+            f"got {type(tree).__name__}"
+        )
+    check_table_size(len(tree))
+    users: set[str] = set()
+    for index, user in enumerate(tree):
+        where = f"{source}: {EXEMPT_USERS_KEY}[{index}]"
+        if check_user(user, field=where) in users:
+            raise InvalidArgument(f"{where}: {shown(user)} appears more than once")
+        users.add(user)
+    return frozenset(users)
 
 
 def loads(text: str, fmt: Format, *, source: str) -> TableDocument:
@@ -143,11 +323,25 @@ def loads(text: str, fmt: Format, *, source: str) -> TableDocument:
 
 
 def dumps(doc: TableDocument, fmt: Format) -> str:
-    """Encodes ``doc`` in ``fmt``, users sorted by id, ``etag`` only when set."""
+    """Encodes ``doc`` in ``fmt``, users and tiers sorted by id, ``mode``,
+    the default and ``etag`` only when set."""
     tree: dict[str, Any] = {}
+    if doc.mode is not None:
+        tree[MODE_KEY] = doc.mode.value
     if doc.default_rate is not None:
         tree[DEFAULT_KEY] = doc.default_rate
+    tiers: dict[str, dict[str, Any]] = {}
+    for tier in sorted(doc.tiers):
+        spec: dict[str, Any] = {}
+        if tier in doc.tier_rates:
+            spec[RATE_KEY] = doc.tier_rates[tier]
+        if tier in doc.exempt_tiers:
+            spec[EXEMPT_KEY] = True
+        tiers[tier] = spec
+    tree[TIERS_KEY] = tiers
     tree[USERS_KEY] = dict(sorted(doc.user_rates.items()))
+    tree[MEMBERSHIPS_KEY] = dict(sorted(doc.memberships.items()))
+    tree[EXEMPT_USERS_KEY] = sorted(doc.exempt_users)
     if doc.etag is not None:
         tree[ETAG_KEY] = doc.etag
     if fmt == "json":
@@ -167,7 +361,15 @@ def format_of(path: str) -> Format:
     )
 
 
-_KEYS = (DEFAULT_KEY, USERS_KEY, ETAG_KEY)
+_KEYS = (
+    MODE_KEY,
+    DEFAULT_KEY,
+    TIERS_KEY,
+    USERS_KEY,
+    MEMBERSHIPS_KEY,
+    EXEMPT_USERS_KEY,
+    ETAG_KEY,
+)
 #: Unknown fields named in one error message.
 _MAX_LISTED = 5
 

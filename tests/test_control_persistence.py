@@ -11,12 +11,14 @@ import time
 
 import grpc
 import pytest
+import yaml
 
 from control.errors import InvalidArgument
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start, merge
 from control.runner import serve
 from control.service import LimitsService
 from control.table import TableDocument
+from pacing.modes import Mode
 from pacing.settings import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
@@ -68,8 +70,8 @@ BAD_FILES = [
     ),
     (
         '{"users": {}, "user": {}}',
-        "unknown field(s) 'user'; "
-        "expected 'default_tokens_per_second', 'users', 'etag'",
+        "unknown field(s) 'user'; expected 'mode', 'default_tokens_per_second', "
+        "'tiers', 'users', 'memberships', 'exempt_users', 'etag'",
     ),
     (
         '{"default_tokens_per_second": 1.5}',
@@ -102,6 +104,48 @@ BAD_FILES = [
         "users must be an object mapping user ids to tokens per second, got list",
     ),
     ('{"users": {"a": 1, "a": 2}}', "duplicate key 'a'"),
+    ('{"mode": 3}', "mode must be one of enforce, shadow, off, got 3"),
+    (
+        '{"tiers": {"free": {}}}',
+        "tiers['free'] needs tokens_per_second or exempt: true",
+    ),
+    (
+        '{"tiers": {"free": 20}}',
+        "tiers['free'] must be an object with 'tokens_per_second' and/or 'exempt', "
+        "got int",
+    ),
+    (
+        '{"tiers": {"free": {"tokens_per_second": 0}}}',
+        "tiers['free'].tokens_per_second must be between 1 and 1000000, got 0",
+    ),
+    (
+        '{"tiers": {"free": {"exempt": "yes"}}}',
+        "tiers['free'].exempt must be true or false, got 'yes'",
+    ),
+    (
+        '{"tiers": {"free": {"rate": 1}}}',
+        "tiers['free'] unknown field(s) 'rate'; expected 'tokens_per_second', 'exempt'",
+    ),
+    ('{"tiers": {"": {"exempt": true}}}', "tier id '' must not be empty"),
+    (
+        '{"tiers": ["free"]}',
+        "tiers must be an object mapping tier ids to {tokens_per_second, exempt}, "
+        "got list",
+    ),
+    (
+        '{"memberships": {"bob": "gold"}}',
+        "memberships['bob']: tier 'gold' is not in tiers",
+    ),
+    (
+        '{"memberships": ["bob"]}',
+        "memberships must be an object mapping user ids to tiers, got list",
+    ),
+    ('{"exempt_users": "ops"}', "exempt_users must be a list of user ids, got str"),
+    ('{"exempt_users": ["a", "a"]}', "exempt_users[1]: 'a' appears more than once"),
+    (
+        '{"exempt_users": ["a\\u0000"]}',
+        "exempt_users[0] must not contain control characters",
+    ),
 ]
 
 
@@ -174,7 +218,9 @@ def test_every_accepted_change_is_written_atomically(path, rig):
     assert files_in(path.parent) == [path.name]  # no temp files left behind
     assert stat.S_IMODE(path.stat().st_mode) == 0o640  # permissions kept
     assert ConfigFile(path).load() == TableDocument(
-        default_rate=7, user_rates={f"u{i}": i + 1 for i in range(20)}
+        default_rate=7,
+        user_rates={f"u{i}": i + 1 for i in range(20)},
+        mode=Mode.ENFORCE,
     )
 
 
@@ -307,12 +353,12 @@ def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
     file = ConfigFile(tmp_path / "limits.json")
     service = LimitsService(rig.shared, persist=file.write)
     service.create_limit("a", 5)
-    assert file.load() == TableDocument(None, {"a": 5})
+    assert file.load() == TableDocument(None, {"a": 5}, mode=Mode.ENFORCE)
     assert service.get_limits_table("").default_tokens_per_second == 0
     assert rig.limiter.rate_of("a") == 0  # explicit limits wait for a default
     service.update_default_limit("", 9, [])
     assert rig.limiter.rate_of("a") == 5
-    assert file.load() == TableDocument(9, {"a": 5})
+    assert file.load() == TableDocument(9, {"a": 5}, mode=Mode.ENFORCE)
 
 
 def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
@@ -411,6 +457,135 @@ def test_the_watcher_thread_picks_up_edits(path, rig):
 def test_merge_lets_the_file_win():
     merged = merge(FLAGS, TableDocument(None, {"both": 5}))
     assert merged == TableDocument(10, {"flag-only": 1, "both": 5})
+
+
+def test_merge_adds_the_files_tiers_memberships_and_exemptions_to_the_flags():
+    flags = TableDocument(
+        10,
+        {"a": 1},
+        tier_rates={"free": 2},
+        memberships={"b": "free"},
+        exempt_users=frozenset({"c"}),
+        mode=Mode.ENFORCE,
+    )
+    file = TableDocument(
+        None,
+        tier_rates={"free": 3, "pro": 30},
+        exempt_tiers=frozenset({"staff"}),
+        memberships={"b": "pro", "d": "staff"},
+        exempt_users=frozenset({"e"}),
+        mode=Mode.SHADOW,
+    )
+    assert merge(flags, file) == TableDocument(
+        10,
+        {"a": 1},
+        tier_rates={"free": 3, "pro": 30},
+        exempt_tiers=frozenset({"staff"}),
+        memberships={"b": "pro", "d": "staff"},
+        exempt_users=frozenset({"c", "e"}),
+        mode=Mode.SHADOW,
+    )
+
+
+# -- tiers, memberships, exemptions ----------------------------------------------
+
+TIERED = {
+    "tiers": {"free": {"tokens_per_second": 2}, "staff": {"exempt": True}},
+    "users": {"alice": 5},
+    "memberships": {"bob": "free", "carol": "staff"},
+    "exempt_users": ["ops"],
+}
+
+
+def test_tiers_memberships_and_exemptions_round_trip_through_the_file(path, rig):
+    service, _ = started(path, rig)
+    with serving(service) as served:
+        served.stub.CreateTier(
+            pb.CreateTierRequest(tier_id="free", tier=pb.Tier(tokens_per_second=2))
+        )
+        served.stub.CreateTier(
+            pb.CreateTierRequest(tier_id="staff", tier=pb.Tier(exempt=True))
+        )
+        for user, fields in [
+            ("bob", {"tier": "tiers/free"}),
+            ("carol", {"tier": "tiers/staff"}),
+            ("ops", {"exempt": True}),
+        ]:
+            served.stub.CreateLimit(
+                pb.CreateLimitRequest(limit_id=user, limit=pb.Limit(**fields))
+            )
+    expected = TableDocument(
+        10,
+        {"alice": 5},
+        tier_rates={"free": 2},
+        exempt_tiers=frozenset({"staff"}),
+        memberships={"bob": "free", "carol": "staff"},
+        exempt_users=frozenset({"ops"}),
+        mode=Mode.ENFORCE,
+    )
+    assert ConfigFile(path).load() == expected
+    # A new engine process, started from the same flags: the file restores all.
+    second = make_rig(10, {"alice": 5})
+    started(path, second)
+    limiter = second.limiter
+    assert (limiter.tier_rates, limiter.exempt_tiers) == ({"free": 2}, {"staff"})
+    assert limiter.memberships == {"bob": "free", "carol": "staff"}
+    assert limiter.exempt_users == {"ops"}
+    assert [limiter.rate_of(u) for u in ("alice", "bob", "carol", "ops")] == [
+        5,
+        2,
+        0,
+        0,
+    ]
+
+
+def test_an_edit_adding_tiers_members_and_exemptions_is_applied(path, rig):
+    watcher, service = watcher_for(path, rig)
+    etag = service.get_limits_table("").etag
+    write_doc(path, TIERED)
+    assert watcher.poll() is True
+    assert rig.limiter.rate_of("bob") == 2
+    assert rig.limiter.rate_of("carol") == 0
+    assert rig.limiter.rate_of("ops") == 0
+    assert service.get_limits_table("").etag != etag
+    assert service.get_user_state("userStates/bob").source.tier == "free"
+
+
+def test_an_edit_removing_a_tier_with_its_members_is_applied(path, rig):
+    watcher, _ = watcher_for(path, rig)
+    write_doc(path, TIERED)
+    watcher.poll()
+    write_doc(path, {**TIERED, "tiers": {"staff": {"exempt": True}}, "memberships": {}})
+    assert watcher.poll() is True
+    assert rig.limiter.tier_rates == {}
+    assert rig.limiter.memberships == {}
+    assert rig.limiter.rate_of("bob") == 10
+
+
+def test_an_edit_keeping_a_member_of_a_removed_tier_is_refused(path, rig):
+    watcher, _ = watcher_for(path, rig)
+    write_doc(path, TIERED)
+    watcher.poll()
+    write_doc(path, {**TIERED, "tiers": {"staff": {"exempt": True}}})
+    assert watcher.poll() is False
+    assert "memberships['bob']: tier 'free' is not in tiers" in watcher.last_error
+    assert rig.limiter.rate_of("bob") == 2  # the last good table stays
+
+
+def test_a_written_file_lists_every_section_for_operators_to_fill(path, rig):
+    service, _ = started(path, rig)
+    service.update_default_limit("", 11, [])
+    text = path.read_text()
+    assert yaml.safe_load(text) == {  # JSON is YAML, too
+        "mode": "enforce",
+        "default_tokens_per_second": 11,
+        "tiers": {},
+        "users": {"alice": 5},
+        "memberships": {},
+        "exempt_users": [],
+    }
+    if path.suffix == ".yaml":
+        assert text.startswith("# Per-user output-token limits")
 
 
 # -- restart ---------------------------------------------------------------------

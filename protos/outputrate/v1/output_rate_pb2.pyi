@@ -7,6 +7,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import empty_pb2 as _empty_pb2
 from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -23,27 +24,83 @@ class DefaultLimit(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class Limit(_message.Message):
-    __slots__ = ("name", "tokens_per_second")
+    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    EXEMPT_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ...) -> None: ...
+    tier: str
+    exempt: bool
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class Tier(_message.Message):
+    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    EXEMPT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokens_per_second: int
+    exempt: bool
+    member_count: int
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class LimitsTable(_message.Message):
-    __slots__ = ("name", "default_tokens_per_second", "limits", "etag")
+    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     default_tokens_per_second: int
     limits: _containers.RepeatedCompositeFieldContainer[Limit]
     etag: str
-    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[Tier]
+    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ...) -> None: ...
+
+class PacingMode(_message.Message):
+    __slots__ = ("name", "mode", "etag")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[PacingMode.Mode]
+        ENFORCE: _ClassVar[PacingMode.Mode]
+        SHADOW: _ClassVar[PacingMode.Mode]
+        OFF: _ClassVar[PacingMode.Mode]
+    MODE_UNSPECIFIED: PacingMode.Mode
+    ENFORCE: PacingMode.Mode
+    SHADOW: PacingMode.Mode
+    OFF: PacingMode.Mode
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    mode: PacingMode.Mode
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[PacingMode.Mode, str]] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class UserState(_message.Message):
-    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second")
+    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode")
+    class LimitSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        LIMIT_SOURCE_UNSPECIFIED: _ClassVar[UserState.LimitSource]
+        USER: _ClassVar[UserState.LimitSource]
+        TIER: _ClassVar[UserState.LimitSource]
+        DEFAULT: _ClassVar[UserState.LimitSource]
+        EXEMPT: _ClassVar[UserState.LimitSource]
+        OFF: _ClassVar[UserState.LimitSource]
+    LIMIT_SOURCE_UNSPECIFIED: UserState.LimitSource
+    USER: UserState.LimitSource
+    TIER: UserState.LimitSource
+    DEFAULT: UserState.LimitSource
+    EXEMPT: UserState.LimitSource
+    OFF: UserState.LimitSource
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     LIMIT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +113,10 @@ class UserState(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     THROTTLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RECENT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_SKIPS_FIELD_NUMBER: _ClassVar[int]
+    PACING_MODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     user: str
     limit_tokens_per_second: int
@@ -68,7 +129,11 @@ class UserState(_message.Message):
     running_requests: int
     throttled_requests: int
     recent_tokens_per_second: float
-    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ...) -> None: ...
+    limit_source: UserState.LimitSource
+    tier: str
+    shadow_skips: int
+    pacing_mode: PacingMode.Mode
+    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ...) -> None: ...
 
 class GetDefaultLimitRequest(_message.Message):
     __slots__ = ("name",)
@@ -125,12 +190,78 @@ class UpdateLimitRequest(_message.Message):
     def __init__(self, limit: _Optional[_Union[Limit, _Mapping]] = ..., update_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
 
 class DeleteLimitRequest(_message.Message):
-    __slots__ = ("name", "allow_missing")
+    __slots__ = ("name", "allow_missing", "etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     allow_missing: bool
-    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class GetTierRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListTiersRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListTiersResponse(_message.Message):
+    __slots__ = ("tiers", "next_page_token")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[Tier]
+    next_page_token: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CreateTierRequest(_message.Message):
+    __slots__ = ("tier_id", "tier")
+    TIER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    tier_id: str
+    tier: Tier
+    def __init__(self, tier_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, _Mapping]] = ...) -> None: ...
+
+class UpdateTierRequest(_message.Message):
+    __slots__ = ("tier", "update_mask", "allow_missing")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MASK_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    update_mask: _field_mask_pb2.FieldMask
+    allow_missing: bool
+    def __init__(self, tier: _Optional[_Union[Tier, _Mapping]] = ..., update_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+
+class DeleteTierRequest(_message.Message):
+    __slots__ = ("name", "allow_missing", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    allow_missing: bool
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class GetPacingModeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UpdatePacingModeRequest(_message.Message):
+    __slots__ = ("pacing_mode", "update_mask")
+    PACING_MODE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MASK_FIELD_NUMBER: _ClassVar[int]
+    pacing_mode: PacingMode
+    update_mask: _field_mask_pb2.FieldMask
+    def __init__(self, pacing_mode: _Optional[_Union[PacingMode, _Mapping]] = ..., update_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ...) -> None: ...
 
 class GetLimitsTableRequest(_message.Message):
     __slots__ = ("name",)

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class OutputRateControlStub:
-    """Reads and changes output-token limits and reads per-user limiter state.
+    """Reads and changes output-token limits, tiers, exemptions and the pacing mode,
+    and reads per-user limiter state.
     """
 
     def __init__(self, channel):
@@ -71,6 +72,31 @@ class OutputRateControlStub:
                 request_serializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteLimitRequest.SerializeToString,
                 response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                 _registered_method=True)
+        self.GetTier = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/GetTier',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.GetTierRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.Tier.FromString,
+                _registered_method=True)
+        self.ListTiers = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/ListTiers',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.ListTiersRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ListTiersResponse.FromString,
+                _registered_method=True)
+        self.CreateTier = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/CreateTier',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.CreateTierRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.Tier.FromString,
+                _registered_method=True)
+        self.UpdateTier = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/UpdateTier',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.UpdateTierRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.Tier.FromString,
+                _registered_method=True)
+        self.DeleteTier = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/DeleteTier',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteTierRequest.SerializeToString,
+                response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                _registered_method=True)
         self.GetLimitsTable = channel.unary_unary(
                 '/outputrate.v1.OutputRateControl/GetLimitsTable',
                 request_serializer=outputrate_dot_v1_dot_output__rate__pb2.GetLimitsTableRequest.SerializeToString,
@@ -80,6 +106,16 @@ class OutputRateControlStub:
                 '/outputrate.v1.OutputRateControl/ReplaceLimitsTable',
                 request_serializer=outputrate_dot_v1_dot_output__rate__pb2.ReplaceLimitsTableRequest.SerializeToString,
                 response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.LimitsTable.FromString,
+                _registered_method=True)
+        self.GetPacingMode = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/GetPacingMode',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.GetPacingModeRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.PacingMode.FromString,
+                _registered_method=True)
+        self.UpdatePacingMode = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/UpdatePacingMode',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.UpdatePacingModeRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.PacingMode.FromString,
                 _registered_method=True)
         self.GetUserState = channel.unary_unary(
                 '/outputrate.v1.OutputRateControl/GetUserState',
@@ -99,7 +135,8 @@ class OutputRateControlStub:
 
 
 class OutputRateControlServicer:
-    """Reads and changes output-token limits and reads per-user limiter state.
+    """Reads and changes output-token limits, tiers, exemptions and the pacing mode,
+    and reads per-user limiter state.
     """
 
     def GetDefaultLimit(self, request, context):
@@ -110,57 +147,113 @@ class OutputRateControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateDefaultLimit(self, request, context):
-        """Changes the default limit; users with an explicit limit are unaffected.
+        """Changes the default limit; users with an entry that decides their limit
+        (own limit, tier, exemption) are unaffected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetLimit(self, request, context):
-        """Returns one user's explicit limit; NOT_FOUND when the user has none.
+        """Returns one user's entry; NOT_FOUND when the user has none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListLimits(self, request, context):
-        """Lists explicit limits in user id order.
+        """Lists entries in user id order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CreateLimit(self, request, context):
-        """Gives a user an explicit limit; ALREADY_EXISTS when it has one.
+        """Gives a user an entry; ALREADY_EXISTS when it has one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateLimit(self, request, context):
-        """Changes a user's explicit limit; with `allow_missing` creates it (upsert).
+        """Changes a user's entry (its own limit, tier, exemption); with
+        `allow_missing` creates it (upsert).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteLimit(self, request, context):
-        """Removes a user's explicit limit: the default applies to the user again.
+        """Removes a user's entry (own limit, tier and exemption): the default
+        applies to the user again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTier(self, request, context):
+        """Returns one tier; NOT_FOUND when there is none of that id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTiers(self, request, context):
+        """Lists tiers in tier id order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateTier(self, request, context):
+        """Creates a tier; ALREADY_EXISTS when it exists, RESOURCE_EXHAUSTED beyond
+        100 tiers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateTier(self, request, context):
+        """Changes a tier's rate or exemption: every member without a limit of its
+        own follows at the next step, keeping its token debt. With
+        `allow_missing` creates it (upsert).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTier(self, request, context):
+        """Removes a tier; FAILED_PRECONDITION while it has members (move them first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetLimitsTable(self, request, context):
-        """Returns the default and every explicit limit, with the table's etag.
+        """Returns the default, every entry and every tier, with the table's etag.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReplaceLimitsTable(self, request, context):
-        """Replaces the default and every explicit limit in one atomic change. With a
-        non-empty `etag` that is not the current one, changes nothing: ABORTED.
+        """Replaces the default, every entry and every tier in one atomic change.
+        With a non-empty `etag` that is not the current one, changes nothing:
+        ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPacingMode(self, request, context):
+        """Returns the pacing mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdatePacingMode(self, request, context):
+        """Switches the pacing mode at the next scheduling step (no restart).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,7 +261,7 @@ class OutputRateControlServicer:
 
     def GetUserState(self, request, context):
         """Returns one user's limiter state; NOT_FOUND for a user the limiter does not
-        know (no explicit limit, no live request, no counters).
+        know (no entry, no live request, no counters).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -227,6 +320,31 @@ def add_OutputRateControlServicer_to_server(servicer, server):
                     request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteLimitRequest.FromString,
                     response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             ),
+            'GetTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTier,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.GetTierRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.Tier.SerializeToString,
+            ),
+            'ListTiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTiers,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ListTiersRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.ListTiersResponse.SerializeToString,
+            ),
+            'CreateTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTier,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.CreateTierRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.Tier.SerializeToString,
+            ),
+            'UpdateTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTier,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.UpdateTierRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.Tier.SerializeToString,
+            ),
+            'DeleteTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTier,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteTierRequest.FromString,
+                    response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            ),
             'GetLimitsTable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLimitsTable,
                     request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.GetLimitsTableRequest.FromString,
@@ -236,6 +354,16 @@ def add_OutputRateControlServicer_to_server(servicer, server):
                     servicer.ReplaceLimitsTable,
                     request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ReplaceLimitsTableRequest.FromString,
                     response_serializer=outputrate_dot_v1_dot_output__rate__pb2.LimitsTable.SerializeToString,
+            ),
+            'GetPacingMode': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPacingMode,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.GetPacingModeRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.PacingMode.SerializeToString,
+            ),
+            'UpdatePacingMode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdatePacingMode,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.UpdatePacingModeRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.PacingMode.SerializeToString,
             ),
             'GetUserState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetUserState,
@@ -261,7 +389,8 @@ def add_OutputRateControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class OutputRateControl:
-    """Reads and changes output-token limits and reads per-user limiter state.
+    """Reads and changes output-token limits, tiers, exemptions and the pacing mode,
+    and reads per-user limiter state.
     """
 
     @staticmethod
@@ -454,6 +583,141 @@ class OutputRateControl:
             _registered_method=True)
 
     @staticmethod
+    def GetTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/GetTier',
+            outputrate_dot_v1_dot_output__rate__pb2.GetTierRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.Tier.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/ListTiers',
+            outputrate_dot_v1_dot_output__rate__pb2.ListTiersRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.ListTiersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/CreateTier',
+            outputrate_dot_v1_dot_output__rate__pb2.CreateTierRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.Tier.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/UpdateTier',
+            outputrate_dot_v1_dot_output__rate__pb2.UpdateTierRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.Tier.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/DeleteTier',
+            outputrate_dot_v1_dot_output__rate__pb2.DeleteTierRequest.SerializeToString,
+            google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetLimitsTable(request,
             target,
             options=(),
@@ -497,6 +761,60 @@ class OutputRateControl:
             '/outputrate.v1.OutputRateControl/ReplaceLimitsTable',
             outputrate_dot_v1_dot_output__rate__pb2.ReplaceLimitsTableRequest.SerializeToString,
             outputrate_dot_v1_dot_output__rate__pb2.LimitsTable.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPacingMode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/GetPacingMode',
+            outputrate_dot_v1_dot_output__rate__pb2.GetPacingModeRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.PacingMode.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePacingMode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/UpdatePacingMode',
+            outputrate_dot_v1_dot_output__rate__pb2.UpdatePacingModeRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.PacingMode.FromString,
             options,
             channel_credentials,
             insecure,
