@@ -34,6 +34,7 @@ from control.service import (
 from control.table import TableDocument, dumps, format_of, loads
 from pacing.identity import validate_user
 from pacing.limiter import MAX_RATE
+from pacing.modes import Mode
 from pacing.settings import DEFAULT_ADDRESS, TOKEN_ENV
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
@@ -45,15 +46,30 @@ MAX_TIMEOUT_S = 86_400.0
 _STATE_COLUMNS = (
     ("USER", "user"),
     ("LIMIT/S", "limit_tokens_per_second"),
+    ("SOURCE", "limit_source"),
+    ("TIER", "tier"),
     ("RECENT/S", "recent_tokens_per_second"),
     ("NEXT_IN", "next_token_in_s"),
     ("TAT_LEAD", "tat_lead_s"),
     ("CHARGED", "tokens_charged"),
     ("REFUNDS", "refunds"),
     ("SKIPS", "throttled_skips"),
+    ("SHADOW", "shadow_skips"),
     ("PREEMPTED", "throttled_preemptions"),
     ("RUNNING", "running_requests"),
     ("THROTTLED", "throttled_requests"),
+)
+_LIMIT_COLUMNS = (
+    ("USER", "user"),
+    ("TOKENS/S", "tokens_per_second"),
+    ("TIER", "tier"),
+    ("EXEMPT", "exempt"),
+)
+_TIER_COLUMNS = (
+    ("TIER", "tier"),
+    ("TOKENS/S", "tokens_per_second"),
+    ("EXEMPT", "exempt"),
+    ("MEMBERS", "member_count"),
 )
 
 
@@ -126,18 +142,12 @@ def _list(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     limits = [
         _limit_dict(limit) for limit in client.pages("ListLimits", request, "limits")
     ]
-    _emit(out, args, limits, [("USER", "user"), ("TOKENS/S", "tokens_per_second")])
+    _emit(out, args, limits, _LIMIT_COLUMNS)
     return EXIT_OK
 
 
 def _emit_limit(out: TextIO, args: argparse.Namespace, limit: _pb2.Limit) -> None:
-    _emit(
-        out,
-        args,
-        [_limit_dict(limit)],
-        [("USER", "user"), ("TOKENS/S", "tokens_per_second")],
-        single=True,
-    )
+    _emit(out, args, [_limit_dict(limit)], _LIMIT_COLUMNS, single=True)
 
 
 def _get(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
@@ -157,17 +167,42 @@ def _set(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
             ),
         )
     else:
-        limit = client.call(
-            "UpdateLimit",
-            _pb2.UpdateLimitRequest(
-                limit=_pb2.Limit(
-                    name=names.limit_name(args.user), tokens_per_second=args.rate
-                ),
-                allow_missing=True,
-            ),
-        )
+        limit = _update_entry(client, args.user, "tokens_per_second", args.rate)
     _emit_limit(out, args, limit)
     return EXIT_OK
+
+
+def _update_entry(
+    client: _Client, user: str, field: str, value: Any, *, allow_missing: bool = True
+) -> _pb2.Limit:
+    """Changes one field of ``user``'s entry, keeping the others."""
+    limit = _pb2.Limit(name=names.limit_name(user))
+    setattr(limit, field, value)
+    request = _pb2.UpdateLimitRequest(limit=limit, allow_missing=allow_missing)
+    request.update_mask.paths.append(field)
+    response: _pb2.Limit = client.call("UpdateLimit", request)
+    return response
+
+
+def _entry_change(
+    field: str, value: Callable[[argparse.Namespace], Any], *, allow_missing: bool
+) -> Callable[[_Client, argparse.Namespace, TextIO], int]:
+    """A command setting one field of the user's entry to ``value(args)``; it
+    reports the entry, or that none is left."""
+
+    def run(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+        limit = _update_entry(
+            client, args.user, field, value(args), allow_missing=allow_missing
+        )
+        if limit.tokens_per_second or limit.tier or limit.exempt:
+            _emit_limit(out, args, limit)
+        elif args.json:
+            _print_json(out, {"deleted": args.user})
+        else:
+            print(f"{args.user} has no entry left (the default applies)", file=out)
+        return EXIT_OK
+
+    return run
 
 
 def _delete(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
@@ -180,7 +215,94 @@ def _delete(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         _print_json(out, {"deleted": args.user})
     else:
-        print(f"deleted the limit of {args.user} (the default applies)", file=out)
+        print(
+            f"deleted the entry of {args.user}: limit, tier and exemption "
+            "(the default applies)",
+            file=out,
+        )
+    return EXIT_OK
+
+
+def _list_tiers(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    request = _pb2.ListTiersRequest(page_size=MAX_PAGE_SIZE)
+    tiers = [_tier_dict(tier) for tier in client.pages("ListTiers", request, "tiers")]
+    _emit(out, args, tiers, _TIER_COLUMNS)
+    return EXIT_OK
+
+
+def _emit_tier(out: TextIO, args: argparse.Namespace, tier: _pb2.Tier) -> None:
+    _emit(out, args, [_tier_dict(tier)], _TIER_COLUMNS, single=True)
+
+
+def _get_tier(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    tier = client.call("GetTier", _pb2.GetTierRequest(name=names.tier_name(args.tier)))
+    _emit_tier(out, args, tier)
+    return EXIT_OK
+
+
+def _create_tier(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.rate is None and not args.exempt:
+        raise _UsageError("create-tier needs a RATE, --exempt or both")
+    tier = client.call(
+        "CreateTier",
+        _pb2.CreateTierRequest(
+            tier_id=args.tier,
+            tier=_pb2.Tier(tokens_per_second=args.rate or 0, exempt=args.exempt),
+        ),
+    )
+    _emit_tier(out, args, tier)
+    return EXIT_OK
+
+
+def _update_tier(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    tier = _pb2.Tier(name=names.tier_name(args.tier))
+    request = _pb2.UpdateTierRequest(tier=tier, allow_missing=args.allow_missing)
+    if args.rate is not None:  # --rate N, or --no-rate (0)
+        request.tier.tokens_per_second = args.rate
+        request.update_mask.paths.append("tokens_per_second")
+    if args.exempt is not None:
+        request.tier.exempt = args.exempt
+        request.update_mask.paths.append("exempt")
+    if not request.update_mask.paths:
+        raise _UsageError(
+            "update-tier needs --rate, --no-rate, --exempt or --no-exempt"
+        )
+    updated = client.call("UpdateTier", request)
+    if updated.tokens_per_second or updated.exempt:
+        _emit_tier(out, args, updated)
+    elif args.json:
+        _print_json(out, {"deleted_tier": args.tier})
+    else:
+        print(
+            f"tier {args.tier} has neither rate nor exemption left: deleted", file=out
+        )
+    return EXIT_OK
+
+
+def _delete_tier(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    client.call(
+        "DeleteTier",
+        _pb2.DeleteTierRequest(
+            name=names.tier_name(args.tier), allow_missing=args.allow_missing
+        ),
+    )
+    if args.json:
+        _print_json(out, {"deleted_tier": args.tier})
+    else:
+        print(f"deleted tier {args.tier}", file=out)
+    return EXIT_OK
+
+
+def _get_mode(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    _emit_mode(out, args, client.call("GetPacingMode", _pb2.GetPacingModeRequest()))
+    return EXIT_OK
+
+
+def _set_mode(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
+    request = _pb2.UpdatePacingModeRequest(
+        pacing_mode=_pb2.PacingMode(mode=args.mode.upper())
+    )
+    _emit_mode(out, args, client.call("UpdatePacingMode", request))
     return EXIT_OK
 
 
@@ -207,7 +329,7 @@ def _state(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
             "GetUserState",
             _pb2.GetUserStateRequest(name=names.user_state_name(args.user)),
         )
-        _emit(out, args, [_state_dict(state)], _STATE_COLUMNS, single=True)
+        _emit_states(client, out, args, [_state_dict(state)], single=True)
         return EXIT_OK
     request = _pb2.ListUserStatesRequest(
         order_by=args.order_by, page_size=min(args.top or 1000, 1000)
@@ -217,8 +339,29 @@ def _state(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
         if args.top and len(states) == args.top:
             break
         states.append(_state_dict(state))
-    _emit(out, args, states, _STATE_COLUMNS)
+    _emit_states(client, out, args, states)
     return EXIT_OK
+
+
+def _emit_states(
+    client: _Client,
+    out: TextIO,
+    args: argparse.Namespace,
+    states: list[dict[str, Any]],
+    *,
+    single: bool = False,
+) -> None:
+    """States as JSON, or as a table under a line with the pacing mode (read
+    with the states, or asked for when there are none)."""
+    if args.json:
+        _print_json(out, states[0] if single else states)
+        return
+    if states:
+        mode = states[0]["pacing_mode"]
+    else:
+        mode = _mode_name(client.call("GetPacingMode", _pb2.GetPacingModeRequest()))
+    print(f"pacing mode: {mode}", file=out)
+    _print_table(out, states, _STATE_COLUMNS)
 
 
 def _watch(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
@@ -238,7 +381,7 @@ def _watch(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
         else:
             if clear:
                 out.write("\x1b[H\x1b[2J")
-            _print_table(out, states, _STATE_COLUMNS)
+            _emit_states(client, out, args, states)
             print(file=out)
         out.flush()
         if args.count and count >= args.count:
@@ -248,13 +391,24 @@ def _watch(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
 
 def _export(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
     table = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
+    entries = [_limit_dict(limit) for limit in table.limits]
+    tiers = [_tier_dict(tier) for tier in table.tiers]
     doc = TableDocument(
         default_rate=table.default_tokens_per_second or None,
         user_rates={
-            row["user"]: row["tokens_per_second"]
-            for row in map(_limit_dict, table.limits)
+            e["user"]: e["tokens_per_second"]
+            for e in entries
+            if e["tokens_per_second"] is not None
         },
         etag=table.etag,
+        tier_rates={
+            t["tier"]: t["tokens_per_second"]
+            for t in tiers
+            if t["tokens_per_second"] is not None
+        },
+        exempt_tiers=frozenset(t["tier"] for t in tiers if t["exempt"]),
+        memberships={e["user"]: e["tier"] for e in entries if e["tier"] is not None},
+        exempt_users=frozenset(e["user"] for e in entries if e["exempt"]),
     )
     if args.file in (None, "-"):
         out.write(dumps(doc, "json"))
@@ -264,7 +418,10 @@ def _export(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
             Path(args.file).write_text(text)
         except OSError as exc:
             raise _UsageError(f"cannot write {args.file}: {exc.strerror}") from None
-        print(f"exported {len(doc.user_rates)} limits to {args.file}", file=sys.stderr)
+        print(
+            f"exported {len(entries)} entries and {len(tiers)} tiers to {args.file}",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 
@@ -297,17 +454,43 @@ def _import(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
             limits_table=_pb2.LimitsTable(
                 default_tokens_per_second=default,
                 limits=[
-                    _pb2.Limit(name=names.limit_name(user), tokens_per_second=rate)
-                    for user, rate in doc.user_rates.items()
+                    _pb2.Limit(
+                        name=names.limit_name(user),
+                        tokens_per_second=doc.user_rates.get(user, 0),
+                        tier=(
+                            names.tier_name(doc.memberships[user])
+                            if user in doc.memberships
+                            else ""
+                        ),
+                        exempt=user in doc.exempt_users,
+                    )
+                    for user in sorted(doc.users())
+                ],
+                tiers=[
+                    _pb2.Tier(
+                        name=names.tier_name(tier),
+                        tokens_per_second=doc.tier_rates.get(tier, 0),
+                        exempt=tier in doc.exempt_tiers,
+                    )
+                    for tier in sorted(doc.tiers)
                 ],
                 etag=etag,
             )
         ),
     )
+    if doc.mode is not None:  # the mode is not part of the table and its etag
+        _print_error(
+            f"note: {source} names mode {doc.mode}, which import leaves as it "
+            "is; use set-mode to change it"
+        )
+    entries, tiers = len(table.limits), len(table.tiers)
     if args.json:
-        _print_json(out, {"imported": len(table.limits), "etag": table.etag})
+        _print_json(out, {"imported": entries, "tiers": tiers, "etag": table.etag})
     else:
-        print(f"imported {len(table.limits)} limits; etag {table.etag}", file=out)
+        print(
+            f"imported {entries} entries and {tiers} tiers; etag {table.etag}",
+            file=out,
+        )
     return EXIT_OK
 
 
@@ -317,8 +500,30 @@ def _import(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
 def _limit_dict(limit: _pb2.Limit) -> dict[str, Any]:
     return {
         "user": names.limit_user(limit.name),
-        "tokens_per_second": limit.tokens_per_second,
+        "tokens_per_second": limit.tokens_per_second or None,
+        "tier": names.tier_id(limit.tier) or None,
+        "exempt": limit.exempt,
     }
+
+
+def _tier_dict(tier: _pb2.Tier) -> dict[str, Any]:
+    return {
+        "tier": names.tier_id(tier.name),
+        "tokens_per_second": tier.tokens_per_second or None,
+        "exempt": tier.exempt,
+        "member_count": tier.member_count,
+    }
+
+
+def _mode_name(mode: _pb2.PacingMode) -> str:
+    return _pb2.PacingMode.Mode.Name(mode.mode).lower()
+
+
+def _emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> None:
+    if args.json:
+        _print_json(out, {"pacing_mode": _mode_name(mode)})
+    else:
+        print(f"pacing mode: {_mode_name(mode)}", file=out)
 
 
 def _state_dict(state: _pb2.UserState) -> dict[str, Any]:
@@ -334,6 +539,10 @@ def _state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "running_requests": state.running_requests,
         "throttled_requests": state.throttled_requests,
         "recent_tokens_per_second": state.recent_tokens_per_second,
+        "limit_source": _pb2.UserState.LimitSource.Name(state.limit_source).lower(),
+        "tier": names.tier_id(state.tier) or None,
+        "shadow_skips": state.shadow_skips,
+        "pacing_mode": _pb2.PacingMode.Mode.Name(state.pacing_mode).lower(),
     }
 
 
@@ -403,6 +612,10 @@ def _print_table(
 
 
 def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if key.endswith("_s"):
         return f"{value * 1000:.0f}ms" if value < 10 else f"{value:.1f}s"
     if isinstance(value, float):
@@ -501,6 +714,13 @@ def _user(raw: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _tier(raw: str) -> str:
+    try:
+        return validate_user(raw, field="the tier id")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _text(raw: str) -> str:
     """Any well-formed Unicode (argv may hold lone surrogates: undecodable bytes)."""
     if not _encodes(raw):
@@ -520,7 +740,10 @@ def _token(raw: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="output-rate-ctl",
-        description="Read and change per-user output-token limits of a vLLM engine.",
+        description=(
+            "Read and change per-user output-token limits, tiers, exemptions and "
+            "the pacing mode of a vLLM engine."
+        ),
         epilog="Exit status: 0 ok, 1 request refused (status code on stderr), 2 usage.",
     )
     parser.add_argument(
@@ -564,29 +787,95 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(run=run)
         return sub
 
-    sub = command("list", _list, "list explicit per-user limits")
+    sub = command("list", _list, "list user entries: own limit, tier, exemption")
     sub.add_argument(
         "--page-size",
         type=_whole(1, MAX_PAGE_SIZE),
         default=MAX_PAGE_SIZE,
         help="limits per request (default %(default)s)",
     )
-    command("get", _get, "show one user's explicit limit").add_argument(
-        "user", type=_user
-    )
+    command("get", _get, "show one user's entry").add_argument("user", type=_user)
     sub = command("set", _set, "set one user's limit (creates it if missing)")
     sub.add_argument("user", type=_user)
     sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
     sub.add_argument(
         "--create", action="store_true", help="fail if the user has a limit already"
     )
+    unset = _entry_change("tokens_per_second", lambda _: 0, allow_missing=False)
+    command(
+        "unset", unset, "remove one user's own limit (its tier or the default applies)"
+    ).add_argument("user", type=_user)
     sub = command(
-        "delete", _delete, "delete one user's limit (the default applies again)"
+        "delete",
+        _delete,
+        "delete one user's entry: limit, tier, exemption (the default applies again)",
     )
     sub.add_argument("user", type=_user)
     sub.add_argument(
         "--allow-missing", action="store_true", help="succeed if there is none"
     )
+    assign = _entry_change(
+        "tier", lambda args: names.tier_name(args.tier), allow_missing=True
+    )
+    sub = command("assign", assign, "make a user a member of a tier")
+    sub.add_argument("user", type=_user)
+    sub.add_argument("tier", type=_tier)
+    unassign = _entry_change("tier", lambda _: "", allow_missing=False)
+    command("unassign", unassign, "take a user out of its tier").add_argument(
+        "user", type=_user
+    )
+    exempt = _entry_change("exempt", lambda _: True, allow_missing=True)
+    command("exempt", exempt, "make a user unlimited").add_argument("user", type=_user)
+    unexempt = _entry_change("exempt", lambda _: False, allow_missing=False)
+    command(
+        "unexempt", unexempt, "lift a user's exemption (its limit applies again)"
+    ).add_argument("user", type=_user)
+    command("list-tiers", _list_tiers, "list tiers with their member counts")
+    command("get-tier", _get_tier, "show one tier").add_argument("tier", type=_tier)
+    sub = command(
+        "create-tier", _create_tier, "create a tier: a rate, --exempt or both"
+    )
+    sub.add_argument("tier", type=_tier)
+    sub.add_argument(
+        "rate", nargs="?", type=_whole(1, MAX_RATE), help="tokens per second"
+    )
+    sub.add_argument(
+        "--exempt",
+        action="store_true",
+        help="members without a limit of their own are unlimited",
+    )
+    sub = command(
+        "update-tier",
+        _update_tier,
+        "change a tier's rate or exemption (members follow at the next step)",
+    )
+    sub.add_argument("tier", type=_tier)
+    rate = sub.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--rate", type=_whole(1, MAX_RATE), metavar="N", help="tokens per second"
+    )
+    rate.add_argument(
+        "--no-rate", dest="rate", action="store_const", const=0, help="remove the rate"
+    )
+    exemption = sub.add_mutually_exclusive_group()
+    exemption.add_argument("--exempt", action="store_const", const=True)
+    exemption.add_argument(
+        "--no-exempt", dest="exempt", action="store_const", const=False
+    )
+    sub.add_argument(
+        "--allow-missing", action="store_true", help="create the tier if there is none"
+    )
+    sub = command(
+        "delete-tier", _delete_tier, "delete a tier (refused while it has members)"
+    )
+    sub.add_argument("tier", type=_tier)
+    sub.add_argument(
+        "--allow-missing", action="store_true", help="succeed if there is none"
+    )
+    command("get-mode", _get_mode, "show the pacing mode")
+    command(
+        "set-mode", _set_mode, "switch the pacing mode now (enforce, shadow, off)"
+    ).add_argument("mode", choices=[mode.value for mode in Mode])
     command("get-default", _get_default, "show the default limit")
     command("set-default", _set_default, "set the default limit").add_argument(
         "rate", type=_whole(1, MAX_RATE), help="tokens per second"
@@ -630,9 +919,15 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--count", type=_whole(0), default=0, help="stop after N updates (0: never)"
     )
-    sub = command("export", _export, "write the limits table as JSON (with its etag)")
+    sub = command(
+        "export", _export, "write the limits table and tiers as JSON (with its etag)"
+    )
     sub.add_argument("file", nargs="?", help="output file (default: stdout)")
-    sub = command("import", _import, "replace the limits table from a JSON file")
+    sub = command(
+        "import",
+        _import,
+        "replace the limits table and tiers from a file (not the mode)",
+    )
     sub.add_argument("file", help="as written by export; - for stdin")
     sub.add_argument(
         "--force",

@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from control.cli import main
 from control.service import LimitsService
+from pacing.modes import Mode
 from tests.control_harness import make_rig, serving
 
 TOKEN = "cli-token"
@@ -39,19 +41,24 @@ def ctl(served, capsys, monkeypatch):
     return run
 
 
+def entry(user: str, rate: int | None, tier=None, exempt=False) -> dict:
+    """One user's entry as ``--json`` prints it."""
+    return {"user": user, "tokens_per_second": rate, "tier": tier, "exempt": exempt}
+
+
 def test_set_get_list_delete_as_json(ctl, rig):
     assert ctl("--json", "set", "carol", "7")[:2] == (
         0,
-        json.dumps({"user": "carol", "tokens_per_second": 7}, indent=2) + "\n",
+        json.dumps(entry("carol", 7), indent=2) + "\n",
     )
     status, out, _ = ctl("--json", "get", "carol")
-    assert (status, json.loads(out)) == (0, {"user": "carol", "tokens_per_second": 7})
+    assert (status, json.loads(out)) == (0, entry("carol", 7))
     status, out, _ = ctl("--json", "list", "--page-size", "2")  # pages through
     assert status == 0
     assert json.loads(out) == [
-        {"user": "alice", "tokens_per_second": 5},
-        {"user": "bob", "tokens_per_second": 20},
-        {"user": "carol", "tokens_per_second": 7},
+        entry("alice", 5),
+        entry("bob", 20),
+        entry("carol", 7),
     ]
     status, out, _ = ctl("--json", "delete", "carol")
     assert (status, json.loads(out)) == (0, {"deleted": "carol"})
@@ -62,9 +69,9 @@ def test_human_readable_tables(ctl):
     status, out, _ = ctl("list")
     assert status == 0
     assert out.splitlines() == [
-        "USER   TOKENS/S",
-        "alice         5",
-        "bob          20",
+        "USER   TOKENS/S  TIER  EXEMPT",
+        "alice         5     -      no",
+        "bob          20     -      no",
     ]
 
 
@@ -101,9 +108,10 @@ def test_state_of_one_user_and_of_all_sorted_by_throttled_skips(ctl, rig):
     ]
     status, out, _ = ctl("state", "--top", "1")
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["USER", "LIMIT/S", "RECENT/S"]
-    assert lines[1].split()[:4] == ["dave", "10", "0.0", "100ms"]
-    assert len(lines) == 2
+    assert lines[0] == "pacing mode: enforce"
+    assert lines[1].split()[:5] == ["USER", "LIMIT/S", "SOURCE", "TIER", "RECENT/S"]
+    assert lines[2].split()[:6] == ["dave", "10", "default", "-", "0.0", "100ms"]
+    assert len(lines) == 3
 
 
 def test_watch_streams_updates_as_json_lines(ctl, rig):
@@ -129,7 +137,7 @@ def test_export_then_import_round_trips_with_the_etag(ctl, rig, tmp_path):
     exported.write_text(json.dumps(doc))
     status, out, err = ctl("import", str(exported))
     assert (status, err) == (0, "")
-    assert out.startswith("imported 2 limits; etag ")
+    assert out.startswith("imported 2 entries and 0 tiers; etag ")
     assert rig.limiter.user_rates == {"alice": 5, "erin": 3}
 
 
@@ -204,6 +212,169 @@ def test_import_without_default_keeps_the_current_one(ctl, rig, tmp_path):
     assert ctl("import", str(path))[0] == 0
     assert rig.limiter.default_rate == 10
     assert rig.limiter.user_rates == {"zed": 4}
+
+
+# -- mode, tiers, memberships, exemptions --------------------------------------
+
+
+def test_get_and_set_the_pacing_mode(ctl, rig):
+    assert ctl("get-mode")[:2] == (0, "pacing mode: enforce\n")
+    status, out, _ = ctl("--json", "set-mode", "shadow")
+    assert (status, json.loads(out)) == (0, {"pacing_mode": "shadow"})
+    assert rig.shared.mode is Mode.SHADOW
+    assert ctl("set-mode", "off")[:2] == (0, "pacing mode: off\n")
+    assert rig.shared.mode is Mode.OFF
+
+
+def test_create_list_update_and_delete_tiers(ctl, rig):
+    assert ctl("create-tier", "free", "20")[0] == 0
+    assert ctl("create-tier", "staff", "--exempt")[0] == 0
+    assert ctl("assign", "bob", "free")[0] == 0
+    status, out, _ = ctl("list-tiers")
+    assert (status, out.splitlines()) == (
+        0,
+        [
+            "TIER   TOKENS/S  EXEMPT  MEMBERS",
+            "free         20      no        1",
+            "staff         -     yes        0",
+        ],
+    )
+    status, out, _ = ctl("--json", "update-tier", "free", "--rate", "30", "--exempt")
+    assert json.loads(out) == {
+        "tier": "free",
+        "tokens_per_second": 30,
+        "exempt": True,
+        "member_count": 1,
+    }
+    assert (rig.limiter.tier_rates, rig.limiter.exempt_tiers) == (
+        {"free": 30},
+        {"free", "staff"},
+    )
+    status, out, _ = ctl("--json", "get-tier", "free")
+    assert json.loads(out)["tokens_per_second"] == 30
+    # The exemption was staff's last rule: lifting it removes the tier.
+    assert ctl("update-tier", "staff", "--no-exempt")[:2] == (
+        0,
+        "tier staff has neither rate nor exemption left: deleted\n",
+    )
+    assert ctl("delete-tier", "free")[0] == 1  # bob is a member
+    assert ctl("unassign", "bob")[0] == 0
+    assert ctl("delete-tier", "free")[:2] == (0, "deleted tier free\n")
+    assert rig.limiter.tier_rates == {}
+
+
+def test_deleting_a_tier_with_members_exits_1_failed_precondition(ctl, rig):
+    ctl("create-tier", "free", "20")
+    ctl("assign", "carol", "free")
+    status, out, err = ctl("delete-tier", "free")
+    assert (status, out) == (1, "")
+    assert err.startswith("error: FAILED_PRECONDITION: 'tiers/free' has 1 member(s)")
+    assert rig.limiter.tier_rates == {"free": 20}
+
+
+def test_assigning_a_tier_that_does_not_exist_exits_1(ctl, rig):
+    status, _, err = ctl("assign", "carol", "gold")
+    assert status == 1
+    assert err.startswith("error: FAILED_PRECONDITION: limit.tier: 'tiers/gold'")
+    assert rig.limiter.memberships == {}
+
+
+def test_membership_exemption_and_own_limit_are_separate_fields(ctl, rig):
+    ctl("create-tier", "free", "2")
+    assigned = json.loads(ctl("--json", "assign", "alice", "free")[1])
+    assert assigned == entry("alice", 5, "free")  # her own limit stays
+    exempted = json.loads(ctl("--json", "exempt", "alice")[1])
+    assert exempted == entry("alice", 5, "free", exempt=True)
+    assert rig.limiter.rate_of("alice") == 0
+    ctl("unexempt", "alice")
+    ctl("unset", "alice")
+    assert rig.limiter.rate_of("alice") == 2  # now the tier's
+    assert ctl("unassign", "alice")[:2] == (
+        0,
+        "alice has no entry left (the default applies)\n",
+    )
+    assert rig.limiter.rate_of("alice") == 10
+    out = ctl("--json", "exempt", "dora")[1]  # no entry before
+    assert json.loads(out) == entry("dora", None, exempt=True)
+    assert ctl("list")[1].splitlines() == [
+        "USER  TOKENS/S  TIER  EXEMPT",
+        "bob         20     -      no",
+        "dora         -     -     yes",
+    ]
+
+
+def test_delete_removes_the_whole_entry(ctl, rig):
+    ctl("create-tier", "free", "2")
+    ctl("assign", "alice", "free")
+    assert ctl("delete", "alice")[:2] == (
+        0,
+        "deleted the entry of alice: limit, tier and exemption (the default applies)\n",
+    )
+    assert rig.limiter.rate_of("alice") == 10
+    assert rig.limiter.memberships == {}
+
+
+def test_state_shows_the_limit_source_the_tier_and_the_mode(ctl, rig):
+    ctl("create-tier", "free", "2")
+    ctl("assign", "carol", "free")
+    ctl("set-mode", "shadow")
+    rig.step("carol", 3)
+    state = json.loads(ctl("--json", "state", "carol")[1])
+    assert (state["limit_source"], state["tier"], state["pacing_mode"]) == (
+        "tier",
+        "free",
+        "shadow",
+    )
+    assert state["shadow_skips"] == 0  # the rig acts as enforce
+    lines = ctl("state", "carol")[1].splitlines()
+    assert lines[0] == "pacing mode: shadow"
+    assert lines[2].split()[:4] == ["carol", "2", "tier", "free"]
+
+
+def test_state_without_users_still_shows_the_mode(capsys):
+    rig = make_rig(10)
+    with serving(LimitsService(rig.shared)) as served:
+        status = main(["--address", served.address, "state"])
+    out = capsys.readouterr().out
+    assert (status, out.splitlines()[0]) == (0, "pacing mode: enforce")
+    assert out.splitlines()[1].startswith("USER")
+
+
+def test_export_then_import_carries_tiers_memberships_and_exemptions(
+    ctl, rig, tmp_path
+):
+    ctl("create-tier", "free", "2")
+    ctl("create-tier", "staff", "--exempt")
+    ctl("assign", "carol", "free")
+    ctl("exempt", "ops")
+    exported = tmp_path / "table.yaml"
+    assert ctl("export", str(exported))[0] == 0
+    doc = yaml.safe_load(exported.read_text())
+    assert doc["tiers"] == {"free": {"tokens_per_second": 2}, "staff": {"exempt": True}}
+    assert doc["memberships"] == {"carol": "free"}
+    assert doc["exempt_users"] == ["ops"]
+    assert "mode" not in doc  # not part of the table
+    doc["memberships"]["dave"] = "staff"
+    doc["tiers"]["free"]["tokens_per_second"] = 3
+    exported.write_text(yaml.safe_dump(doc))
+    status, out, err = ctl("import", str(exported))
+    assert (status, err) == (0, "")
+    assert out.startswith("imported 5 entries and 2 tiers; etag ")
+    assert rig.limiter.memberships == {"carol": "free", "dave": "staff"}
+    assert rig.limiter.rate_of("carol") == 3
+    assert rig.limiter.rate_of("dave") == 0
+
+
+def test_import_leaves_the_mode_and_says_so(ctl, rig, tmp_path):
+    path = tmp_path / "limits.yaml"
+    path.write_text("mode: off\nusers: {alice: 5}\n")
+    status, _, err = ctl("import", "--force", str(path))
+    assert status == 0
+    assert err == (
+        f"note: {path} names mode off, which import leaves as it is; use "
+        "set-mode to change it\n"
+    )
+    assert rig.shared.mode is Mode.ENFORCE
 
 
 @pytest.mark.parametrize(
@@ -284,6 +455,24 @@ USAGE_ERRORS = {
         "argument --address: must be well-formed Unicode",
     ),
     "newline-token": (["--token", "a\nb", "list"], "must be printable ASCII"),
+    "unknown-mode": (["set-mode", "loud"], "argument mode: invalid choice: 'loud'"),
+    "control-character-tier": (
+        ["assign", "alice", "a\x01"],
+        "argument tier: the tier id must not contain control characters",
+    ),
+    "zero-tier-rate": (["create-tier", "free", "0"], f"{RATE_RANGE} '0'"),
+    "tier-without-rule": (
+        ["create-tier", "free"],
+        "create-tier needs a RATE, --exempt or both",
+    ),
+    "update-tier-without-change": (
+        ["update-tier", "free"],
+        "update-tier needs --rate, --no-rate, --exempt or --no-exempt",
+    ),
+    "rate-and-no-rate": (
+        ["update-tier", "free", "--rate", "3", "--no-rate"],
+        "argument --no-rate: not allowed with argument --rate",
+    ),
     "surrogate-token": (["--token", "a\udcff", "list"], "must be printable ASCII"),
 }
 
