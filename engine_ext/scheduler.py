@@ -235,10 +235,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: The limiter and its counters, shared with whatever attaches (the
         #: control plane): the lock is held for every whole step.
         self.output_rate_shared = SharedLimiter(
-            OutputRateLimiter(settings.default_rate, dict(settings.user_rates)),
+            settings.build_limiter(),
             Accounting(),
             lambda: self.clock(),
             request_counts=self._request_counts,
+            mode=settings.mode,
         )
         #: What attached through the core's registration point (the control
         #: plane, when the settings ask for one); stopped at shutdown.
@@ -263,10 +264,13 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_payloads_built = 0
         if self.limiter.enabled:
             logger.info(
-                "per-user output pacing on (%s): default %d tok/s, %d user limits",
+                "per-user output pacing on (%s): mode %s, default %d tok/s, "
+                "%d user limits, %d tiers",
                 type(self).__name__,
+                settings.mode,
                 settings.default_rate,
                 len(settings.user_rates),
+                len(settings.tier_rates),
             )
             self.output_rate_attachments = attachments.attach_all(
                 self.output_rate_shared, settings
@@ -366,6 +370,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         throttled_requests=sum(self._parked_counts.values()),
                         tracked_users=self.limiter.tracked_users(),
                         control=self.output_rate_shared.control_snapshot(),
+                        mode=self.output_rate_shared.mode,
+                        limiter=self.limiter,
                     )
                 stats_payload.attach(stats, payload)
             except Exception:

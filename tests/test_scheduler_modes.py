@@ -133,3 +133,41 @@ def test_a_mode_change_applies_at_the_next_step(tiny_model_dir, async_scheduling
     assert sampled_per_user(scheduler, driver, 1)["u"] == 4
     scheduler.output_rate_shared.mode = Mode.ENFORCE
     assert sampled_per_user(scheduler, driver, 1)["u"] <= 1
+
+
+def test_the_start_up_mode_and_limit_table_reach_the_scheduler(tiny_model_dir):
+    scheduler = make_scheduler(
+        tiny_model_dir,
+        default_rate=100,
+        output_rate={
+            "mode": "shadow",
+            "tier_rates": {"pro": 500},
+            "memberships": {"alice": "pro"},
+            "exempt_users": ["ops"],
+        },
+    )
+    assert scheduler.output_rate_shared.mode is Mode.SHADOW
+    assert scheduler.limiter.rate_of("alice") == 500
+    assert scheduler.limiter.rate_of("bob") == 100
+    assert scheduler.limiter.limit_source("ops").kind == "exempt"
+
+
+@MODES
+def test_an_exempt_user_is_never_throttled_nor_counted(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=1,
+        output_rate={"exempt_users": ["ops"]},
+    )
+    driver.add(make_request("ops", max_tokens=1000) for _ in range(3))
+    driver.add([make_request("u", max_tokens=1000)])
+    driver.run(2)
+    sampled = sampled_per_user(scheduler, driver, 100)
+    assert sampled["ops"] == 300
+    assert sampled["u"] <= 2
+    ops = scheduler.accounting.of("ops")
+    assert ops.throttled_skips == 0 and ops.shadow_skips == 0
+    assert scheduler.limiter.tracked_users() == 1  # "u" only

@@ -49,9 +49,12 @@ def make_scheduler(
     scheduler_cls: type | None = None,
     clock: FakeClock | None = None,
     otlp_traces_endpoint: str | None = None,
+    output_rate: dict[str, object] | None = None,
 ):
     """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
-    pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's)."""
+    pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's);
+    ``output_rate`` adds keys to ``additional_config["output_rate"]`` (mode,
+    tiers...)."""
     model_config = ModelConfig(model=model_dir, max_model_len=512, dtype="float32")
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -71,6 +74,7 @@ def make_scheduler(
         additional["output_rate"] = {
             "default_rate": default_rate,
             "user_rates": user_rates or {},
+            **(output_rate or {}),
         }
     vllm_config = VllmConfig(
         model_config=model_config,
