@@ -706,7 +706,7 @@ class LimitsService:
 
     def _digest(self, *fields: object) -> str:
         """An etag computed from a resource's fields (and this process's epoch)."""
-        text = repr((self._epoch, *fields)).encode("utf-8", "surrogatepass")
+        text = repr((self._epoch, *fields)).encode()  # repr escapes any surrogate
         return f"{self._epoch}-{hashlib.sha256(text).hexdigest()[:16]}"
 
     def _limit_etag(self, user: str, entry: _EntryFields | None) -> str:
