@@ -191,7 +191,7 @@ def send_stats(engine: Any) -> None:
     from vllm.v1.engine import EngineCoreOutputs
 
     try:
-        stats = engine.scheduler.make_stats()
+        stats = engine.scheduler.make_stats_with_payload()
         if stats is not None:
             engine.output_queue.put_nowait(
                 (STATS_CLIENT_INDEX, EngineCoreOutputs(scheduler_stats=stats))

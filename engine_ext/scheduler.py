@@ -107,6 +107,13 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: ``OutputRateLimiter.cleanup_idle_users``.
 CLEANUP_INTERVAL_NS = 1_000_000_000
 
+#: Metrics payloads are built at most this often (by the scheduler's clock), not
+#: every step: a build costs ~0.2 ms, a tiny model's whole step ~1 ms, and
+#: Prometheus scrapes every few seconds. Counters are deltas since the previous
+#: build, so nothing is lost; the idle heartbeat (``engine_ext.idle_stats``)
+#: sends what the last steps left once the engine is idle.
+PAYLOAD_INTERVAL_NS = 100_000_000
+
 #: Added to a parked request's arrival time during a step so that PRIORITY's
 #: victim choice, ``max(running, key=(priority, arrival_time))``, picks it first
 #: among requests of the same priority. Far beyond any real arrival time.
@@ -262,6 +269,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: Payloads whose build has started (counted first): the idle-metrics
         #: heartbeat (``engine_ext.idle_stats``) compares it between checks.
         self.output_rate_payloads_built = 0
+        self._payload_built_at_ns: int | None = None
         if self.limiter.enabled:
             logger.info(
                 "per-user output pacing on (%s): mode %s, default %d tok/s, "
@@ -360,6 +368,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.output_rate_stats is not None:
+            now_ns = self.clock()
+            built_at = self._payload_built_at_ns
+            if built_at is not None and 0 <= now_ns - built_at < PAYLOAD_INTERVAL_NS:
+                return stats  # counters are cumulative: the next payload has it
+            self._payload_built_at_ns = now_ns
             self.output_rate_payloads_built += 1
             try:
                 with self.output_rate_shared.lock:
@@ -379,6 +392,13 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 # metrics are lost instead, pacing goes on.
                 self.output_rate_stats.failures.record()
         return stats
+
+    def make_stats_with_payload(self) -> SchedulerStats | None:
+        """``make_stats`` with our payload whenever the last was built: for the
+        idle heartbeat, which asks only when no step has built one for a while
+        and must not be turned away by ``PAYLOAD_INTERVAL_NS``."""
+        self._payload_built_at_ns = None
+        return self.make_stats()
 
     def awaits_asynchronous_work(self) -> bool:
         """Whether a waiting request depends on work that completes without any

@@ -21,11 +21,13 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from control.plugin import register as register_control_plane
 from engine_ext import hooks, idle_stats, stats_payload
 from engine_ext.plugin import register
-from engine_ext.scheduler import OutputRateScheduler
+from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tools.fake_clock import FakeClock
 from tools.scheduler_harness import Driver, make_request, make_scheduler
+
+PAYLOAD_INTERVAL_MS = PAYLOAD_INTERVAL_NS / 1e6
 
 
 class EngineLoopStandIn:
@@ -264,7 +266,7 @@ def finish_requests(scheduler, users: list[str]) -> Driver:
     """Runs one short request per user to its end: the users stay tracked."""
     driver = Driver(scheduler, scheduler.clock)
     driver.add([make_request(user, prompt_len=4, max_tokens=2) for user in users])
-    driver.run(6)
+    driver.run(6, step_ms=PAYLOAD_INTERVAL_MS)  # each step may build a payload
     assert not scheduler.has_requests()
     assert scheduler.limiter.tracked_users() == len(users)
     return driver
@@ -316,10 +318,11 @@ def test_steps_carry_the_news_while_they_run(tiny_model_dir):
     deliver(engine, heartbeat)
     driver = Driver(scheduler, scheduler.clock)
     driver.add([make_request("u", max_tokens=3)])
-    driver.run(2)  # tokens charged: a change, carried by these steps' stats
+    # Tokens charged: a change, carried by these steps' stats.
+    driver.run(2, step_ms=PAYLOAD_INTERVAL_MS)
     assert heartbeat.check() is False
     scheduler.limiter.set_default_rate(50, scheduler.clock())
-    driver.run(2)
+    driver.run(2, step_ms=PAYLOAD_INTERVAL_MS)
     assert heartbeat.check() is False
     assert engine.input_queue.empty()
     # Steps over: one payload settles what the last check saw, then quiet.

@@ -26,7 +26,7 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from engine_ext import metrics
-from engine_ext.scheduler import OutputRateScheduler
+from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_TIER,
@@ -34,11 +34,14 @@ from engine_ext.stats_payload import (
     PAYLOAD_KEY,
     PayloadBuilder,
     attach,
+    parse,
+    take_payload,
 )
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.shared import ControlPlaneSnapshot
+from tools.fake_clock import FakeClock
 from tools.scheduler_harness import make_scheduler
 
 MODEL = "tiny-output-rate"
@@ -433,11 +436,38 @@ def test_make_stats_survives_a_failing_payload_build(
     monkeypatch.setattr(scheduler.output_rate_stats, "build", broken)
     with caplog.at_level(logging.ERROR, logger="vllm.engine_ext.stats_payload"):
         for _ in range(3):
-            stats = scheduler.make_stats()  # must not raise into the engine core
+            # Every call builds (no interval), and must not raise into the core.
+            stats = scheduler.make_stats_with_payload()
             assert stats is not None  # upstream's stats, sent without a payload
             assert stats.kv_connector_stats is None
             MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
     logged = [r for r in caplog.records if r.name == "vllm.engine_ext.stats_payload"]
     assert [r.exc_info[0] for r in logged] == [RuntimeError, RuntimeError]  # 1, 2
     monkeypatch.undo()
-    assert PAYLOAD_KEY in scheduler.make_stats().kv_connector_stats
+    assert PAYLOAD_KEY in scheduler.make_stats_with_payload().kv_connector_stats
+
+
+def test_payloads_are_built_at_most_every_payload_interval(tiny_model_dir: str) -> None:
+    """A build costs a fraction of a tiny model's step: stats closer together
+    than ``PAYLOAD_INTERVAL_NS`` carry upstream's figures alone, and the next
+    payload's counter deltas include what they skipped."""
+    clock = FakeClock()
+    scheduler = make_scheduler(
+        tiny_model_dir,
+        user_rates={"u": 5},
+        scheduler_cls=_StatsScheduler,
+        clock=clock,
+    )
+    built = []
+    reported = 0  # "u"'s charged tokens, summed over the payloads' deltas
+    for _ in range(12):
+        scheduler.accounting.record("u", "charged")
+        stats = scheduler.make_stats()
+        assert stats is not None
+        raw = take_payload(stats)
+        built.append(raw is not None)
+        if raw is not None:
+            reported += parse(raw).users.get("u", {}).get("charged", 0)
+            assert reported == scheduler.accounting.of("u").charged  # all of it
+        clock.advance_ms(PAYLOAD_INTERVAL_NS / 1e6 / 4)
+    assert built == [True, False, False, False] * 3
