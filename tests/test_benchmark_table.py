@@ -73,3 +73,15 @@ def test_render_aligns_columns_under_a_header() -> None:
     assert lines[3].split() == ["longer", "measure", "3"]
     # Right-aligned number columns: every value ends where its header ends.
     assert lines[2].index("2.0x") + 4 == lines[0].index("ratio") + 5
+
+
+def test_each_compared_server_gets_its_own_worker_cpus(monkeypatch) -> None:
+    from benchmarks import compare_stock
+
+    monkeypatch.setattr(compare_stock.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert compare_stock.worker_cpus(2) == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0,1"},
+        {"VLLM_CPU_OMP_THREADS_BIND": "2,3"},
+    ]
+    monkeypatch.setattr(compare_stock.os, "sched_getaffinity", lambda pid: {5})
+    assert compare_stock.worker_cpus(2) == [{}, {}]  # one CPU: vLLM's own choice

@@ -83,7 +83,12 @@ def stock_plugins() -> str:
 
 
 def start_server(
-    model_dir: str, log_path: Path, extra_args: list[str], *, stock: bool = False
+    model_dir: str,
+    log_path: Path,
+    extra_args: list[str],
+    *,
+    stock: bool = False,
+    env: dict[str, str] | None = None,
 ) -> VllmServer:
     """Starts the server on the tiny-model-sized defaults below plus
     ``extra_args``, and waits until ``/health`` answers 200.
@@ -91,7 +96,9 @@ def start_server(
     ``stock=True`` starts vLLM's own server instead, with our plugins left out of
     ``VLLM_PLUGINS`` (no hooks, no scheduler, no HTTP guard, no stat logger)."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **(env or {})
+    )
     if stock:
         env["VLLM_PLUGINS"] = stock_plugins()
         launcher = ["vllm.entrypoints.openai.api_server", "--model", model_dir]
