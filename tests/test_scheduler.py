@@ -4,7 +4,6 @@ a fake clock."""
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
@@ -19,12 +18,12 @@ from engine_ext.scheduler import (
     scheduler_class_for,
 )
 from pacing.limiter import MAX_RATE, OutputRateLimiter
-from tools.fake_clock import FakeClock
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import (
     Driver,
     make_request,
-    make_scheduler,
+    run_seeded_workload,
+    upstream_and_ours,
 )
 from tools.scheduler_harness import driven_scheduler as setup
 
@@ -482,68 +481,18 @@ def test_user_is_resolved_once_when_the_request_is_added(tiny_model_dir):
     assert scheduler.user_of(anonymous) == "__anonymous__"
 
 
-def _random_workload(seed: int):
-    rng = random.Random(seed)
-    arrivals = []
-    for i in range(40):
-        arrivals.append(
-            (
-                rng.randrange(60),
-                dict(
-                    user=rng.choice(["a", "b", None]),
-                    prompt_len=rng.randrange(1, 120),
-                    max_tokens=rng.randrange(1, 150),
-                    priority=rng.randrange(3),
-                    request_id=f"w{seed}-{i}",
-                ),
-            )
-        )
-    aborts = {rng.randrange(80): f"w{seed}-{rng.randrange(40)}" for _ in range(5)}
-    return arrivals, aborts
-
-
-def _run_workload(scheduler, seed: int) -> list[tuple]:
-    clock = FakeClock()
-    driver = Driver(scheduler, clock)
-    arrivals, aborts = _random_workload(seed)
-    trace = []
-    for step in range(100):
-        driver.add(make_request(**kw) for at, kw in arrivals if at == step)
-        if step in aborts and aborts[step] in scheduler.requests:
-            scheduler.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED)
-        output = driver.step()
-        trace.append(
-            (
-                dict(output.num_scheduled_tokens),
-                sorted(output.preempted_req_ids),
-                sorted(output.finished_req_ids),
-                [r.request_id for r in scheduler.running],
-            )
-        )
-    return trace
-
-
 @MODES
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_disabled_scheduling_is_identical_to_upstream(
     tiny_model_dir, async_scheduling, policy, seed
 ):
-    kwargs = dict(
-        async_scheduling=async_scheduling,
-        default_rate=None,
-        max_num_seqs=6,
-        max_num_active_seqs=4,
-        max_num_batched_tokens=64,
-        num_blocks=20,
-        policy=policy,
+    upstream, ours = upstream_and_ours(
+        tiny_model_dir, async_scheduling, policy, default_rate=None
     )
-    upstream_cls = AsyncScheduler if async_scheduling else Scheduler
-    upstream = make_scheduler(tiny_model_dir, scheduler_cls=upstream_cls, **kwargs)
-    ours = make_scheduler(tiny_model_dir, **kwargs)
-    assert type(ours) is not upstream_cls
-    upstream_trace = _run_workload(upstream, seed)
-    assert _run_workload(ours, seed) == upstream_trace
+    assert type(ours) is not type(upstream)
+    upstream_trace = run_seeded_workload(upstream, seed)
+    assert run_seeded_workload(ours, seed) == upstream_trace
     assert any(preempted for _, preempted, _, _ in upstream_trace)
 
 
@@ -571,21 +520,11 @@ def test_idle_users_are_cleaned_up_by_time_even_without_steps(
 def test_pacing_with_no_limit_reached_schedules_exactly_like_upstream(
     tiny_model_dir, async_scheduling, policy, seed
 ):
-    kwargs = dict(
-        async_scheduling=async_scheduling,
-        max_num_seqs=6,
-        max_num_active_seqs=4,
-        max_num_batched_tokens=64,
-        num_blocks=20,
-        policy=policy,
+    upstream, ours = upstream_and_ours(
+        tiny_model_dir, async_scheduling, policy, default_rate=MAX_RATE
     )
-    upstream_cls = AsyncScheduler if async_scheduling else Scheduler
-    upstream = make_scheduler(
-        tiny_model_dir, scheduler_cls=upstream_cls, default_rate=None, **kwargs
-    )
-    ours = make_scheduler(tiny_model_dir, default_rate=MAX_RATE, **kwargs)
-    upstream_trace = _run_workload(upstream, seed)
-    assert _run_workload(ours, seed) == upstream_trace
+    upstream_trace = run_seeded_workload(upstream, seed)
+    assert run_seeded_workload(ours, seed) == upstream_trace
     assert any(preempted for _, preempted, _, _ in upstream_trace)
     assert ours.accounting.total.charged > 0
     assert ours.accounting.total.throttled_skips == 0

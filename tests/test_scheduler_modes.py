@@ -10,15 +10,17 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
 
 from pacing.limiter import DEFAULT_BURST_NS, NS_PER_S
 from pacing.modes import Mode
-from tests.test_scheduler import _run_workload
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
-from tools.scheduler_harness import make_request, make_scheduler
+from tools.scheduler_harness import (
+    make_request,
+    make_scheduler,
+    run_seeded_workload,
+    upstream_and_ours,
+)
 
 RATE = 10  # tok/s of user "u"
 STEP_MS = 10
@@ -85,21 +87,14 @@ def test_shadow_and_enforce_grant_the_same_tokens_to_a_user_over_its_limit(
 def test_off_mode_schedules_exactly_like_upstream_and_records_nothing(
     tiny_model_dir, async_scheduling, policy, seed
 ):
-    kwargs = dict(
-        async_scheduling=async_scheduling,
-        max_num_seqs=6,
-        max_num_active_seqs=4,
-        max_num_batched_tokens=64,
-        num_blocks=20,
-        policy=policy,
+    upstream, ours = upstream_and_ours(
+        tiny_model_dir,
+        async_scheduling,
+        policy,
+        default_rate=1,  # 1 tok/s
     )
-    upstream_cls = AsyncScheduler if async_scheduling else Scheduler
-    upstream = make_scheduler(
-        tiny_model_dir, scheduler_cls=upstream_cls, default_rate=None, **kwargs
-    )
-    ours = make_scheduler(tiny_model_dir, default_rate=1, **kwargs)  # 1 tok/s
     ours.output_rate_shared.mode = Mode.OFF
-    assert _run_workload(ours, seed) == _run_workload(upstream, seed)
+    assert run_seeded_workload(ours, seed) == run_seeded_workload(upstream, seed)
     assert ours.accounting.total.charged == 0
     assert ours.accounting.total.throttled_skips == 0
     assert ours.limiter.tracked_users() == 0

@@ -4,6 +4,7 @@ requests in, controlled model-runner outputs back, time from a fake clock."""
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -17,14 +18,16 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
@@ -232,3 +235,67 @@ def sampled_by(scheduler, output: SchedulerOutput) -> list[str]:
         for rid in output.num_scheduled_tokens
         if rid in scheduler.requests and not scheduler.requests[rid].is_prefill_chunk
     ]
+
+
+def upstream_and_ours(model_dir: str, async_scheduling: bool, policy: str, **ours):
+    """vLLM's own scheduler and ours (with ``ours`` settings) on one small
+    configuration that preempts: for comparing ``run_seeded_workload`` traces."""
+    kwargs = dict(
+        async_scheduling=async_scheduling,
+        max_num_seqs=6,
+        max_num_active_seqs=4,
+        max_num_batched_tokens=64,
+        num_blocks=20,
+        policy=policy,
+    )
+    upstream_cls = AsyncScheduler if async_scheduling else Scheduler
+    upstream = make_scheduler(
+        model_dir, scheduler_cls=upstream_cls, default_rate=None, **kwargs
+    )
+    return upstream, make_scheduler(model_dir, **kwargs, **ours)
+
+
+def _random_workload(seed: int):
+    """40 requests of users a, b and anonymous arriving over 60 steps, with
+    random prompts, lengths and priorities, and 5 aborts."""
+    rng = random.Random(seed)
+    arrivals = []
+    for i in range(40):
+        arrivals.append(
+            (
+                rng.randrange(60),
+                dict(
+                    user=rng.choice(["a", "b", None]),
+                    prompt_len=rng.randrange(1, 120),
+                    max_tokens=rng.randrange(1, 150),
+                    priority=rng.randrange(3),
+                    request_id=f"w{seed}-{i}",
+                ),
+            )
+        )
+    aborts = {rng.randrange(80): f"w{seed}-{rng.randrange(40)}" for _ in range(5)}
+    return arrivals, aborts
+
+
+def run_seeded_workload(scheduler, seed: int) -> list[tuple]:
+    """Runs the seeded workload for 100 steps; per step the scheduled tokens,
+    preempted and finished ids and the order of ``running`` (to compare two
+    schedulers step by step)."""
+    clock = FakeClock()
+    driver = Driver(scheduler, clock)
+    arrivals, aborts = _random_workload(seed)
+    trace = []
+    for step in range(100):
+        driver.add(make_request(**kw) for at, kw in arrivals if at == step)
+        if step in aborts and aborts[step] in scheduler.requests:
+            scheduler.finish_requests(aborts[step], RequestStatus.FINISHED_ABORTED)
+        output = driver.step()
+        trace.append(
+            (
+                dict(output.num_scheduled_tokens),
+                sorted(output.preempted_req_ids),
+                sorted(output.finished_req_ids),
+                [r.request_id for r in scheduler.running],
+            )
+        )
+    return trace
