@@ -805,7 +805,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     ) -> int:
         """``_reserve_prefill_lookahead`` while pacing is on: a step that samples
         takes one token of its user's grant, or is refused. Called for every
-        scheduled request: kept flat, ``_charge`` inlined."""
+        scheduled request of a paced step (free steps call upstream's own)."""
         num_new_tokens = self._upstream_reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
@@ -818,15 +818,6 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             )
         if num_computed_tokens + num_new_tokens < request.num_tokens:
             return num_new_tokens  # samples nothing: nothing to charge
-        request_id = request.request_id
-        user = self._user_of.get(request_id, ANONYMOUS_USER)
-        left = step.left.get(user)
-        if left is None:
-            left = self._tokens_left(step, user)
-        if left and request_id not in step.charged:
-            step.left[user] = left - 1
-            step.charged[request_id] = user
-            return num_new_tokens
         if self._charge(step, request):
             return num_new_tokens
         return self._refused_tokens(step, request, num_computed_tokens, num_new_tokens)
