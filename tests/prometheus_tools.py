@@ -15,7 +15,7 @@ def require_binary(name: str) -> str:
     if path is None:
         message = (
             f"{name} not on PATH: install Debian's prometheus package "
-            "(apt-get install -y prometheus, or scripts/setup.sh --with-prometheus)"
+            "(apt-get install -y prometheus, or scripts/setup.sh --with-test-services)"
         )
         if os.environ.get("CI") == "true":
             pytest.fail(message)
