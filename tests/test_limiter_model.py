@@ -1,10 +1,22 @@
-"""Model check of ``OutputRateLimiter`` with tiers and exemptions (issue 10).
+"""Model check of ``OutputRateLimiter`` with tiers, exemptions and pacing modes
+(issue 10).
 
-A Hypothesis state machine drives the limiter with random sequences of
-``try_take``, ``available`` and that many takes, ``refund``, changes of user limits,
+A Hypothesis state machine drives the limiter, inside the ``SharedLimiter`` the
+scheduler and the control plane share, with random sequences of ``try_take``,
+``available`` and that many takes, the scheduler's paced step (``take_up_to``
+for a user's demand, then a ``refund`` of what was not dispatched), its free
+step (``take_each``), ``refund`` of one or more tokens, changes of user limits,
 tier rates, memberships and exemptions (one at a time, or on a copy of the table
-handed back through ``replace_limits``), default-rate changes, idle-user cleanup
-and clock steps: standing still, forward and, in some runs, back.
+handed back through ``replace_limits``), default-rate changes, pacing-mode
+changes, idle-user cleanup and clock steps: standing still (also within a rule:
+many calls at one instant), forward and, in some runs, back.
+
+Modes act as ``engine_ext/scheduler.py`` applies them (``pacing.modes``): the
+mode is read from ``SharedLimiter.mode`` at each step and changed under its
+lock. ``enforce`` and ``shadow`` make the same limiter calls; what ``enforce``
+refuses is a throttled skip there and a shadow skip (run uncharged) in
+``shadow``. ``off`` makes no limiter call at all (nothing charged, refunded or
+recorded), while limit changes and idle cleanup go on.
 
 The reference model is naive: the limit table as plain dicts and sets, resolved
 by its own reading of the rules in ``pacing.limits``; each user's limit history
@@ -40,10 +52,28 @@ checks, in exact integer arithmetic:
    limiter that never cleans, and that gets every change one at a time, gives
    the same answer to every question. (With steps back the cleaned limiter may
    be stricter, as ``cleanup_idle_users`` documents, and the twin is left out.)
+   The twin gets ``take_up_to`` and ``take_each`` as that many ``try_take``
+   calls, so the same check proves they charge exactly as those would.
+8. ``take_up_to(most)`` takes ``min(most, available)`` and reports the rest
+   available; ``take_each`` of counts within what is available leaves
+   ``available - count``; a refund of what a step did not dispatch leaves the
+   user as if only the dispatched tokens had been taken.
+9. Modes: a mode change changes no answer and is not a change of limits
+   (``limit_changes`` stays); every valid change of limits bumps
+   ``limit_changes`` by one, an invalid one not at all. ``off`` charges
+   nothing, and promise 3 spans every mode change, so switching back hands out
+   no burst (only what the kept state and the elapsed time allow, at most a
+   full bucket). The accounting's counters are those the model counted: tokens
+   charged, refunds, throttled skips only in ``enforce``, shadow skips only in
+   ``shadow``.
+10. Budget only grows with time (what the scheduler's headroom cache relies
+    on): on a clock that never steps back, with no change of limits, a user's
+    ``available`` never drops by more than the tokens taken in between.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +87,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pacing.accounting import Accounting, UserCounters
 from pacing.limiter import (
     DEFAULT_BURST_NS,
     NS_PER_S,
@@ -65,6 +96,8 @@ from pacing.limiter import (
     LimitTable,
     OutputRateLimiter,
 )
+from pacing.modes import Mode
+from pacing.shared import SharedLimiter
 
 MS = 1_000_000
 USERS = ("ann", "bob", "cat", "dan")
@@ -118,11 +151,13 @@ class UserModel:
     charges: list[tuple[int, int]] = field(default_factory=list)
     #: Demand run for the lower bound: (time, tokens granted since its start).
     demand: list[tuple[int, int]] = field(default_factory=list)
+    #: What the accounting must hold for the user (promise 9).
+    counted: UserCounters = field(default_factory=UserCounters)
 
 
 class LimiterModel(RuleBasedStateMachine):
-    """The limiter (and, on a monotone clock, a twin that never cleans) against
-    the reference model; see the module docstring."""
+    """The limiter in its shared facade (and, on a monotone clock, a twin that
+    never cleans) against the reference model; see the module docstring."""
 
     # -- set-up --------------------------------------------------------------------
 
@@ -132,9 +167,16 @@ class LimiterModel(RuleBasedStateMachine):
         start=st.integers(-(10**15), 10**15),
         monotone=st.booleans(),
         table=tables(),
+        mode=st.sampled_from(Mode),
     )
     def setup(
-        self, default: int | None, burst: int, start: int, monotone: bool, table: dict
+        self,
+        default: int | None,
+        burst: int,
+        start: int,
+        monotone: bool,
+        table: dict,
+        mode: Mode,
     ) -> None:
         self.now = start
         self.burst = burst
@@ -147,6 +189,9 @@ class LimiterModel(RuleBasedStateMachine):
         self.exempt_tiers: set[str] = set(table["exempt_tiers"])
         rest = {k: v for k, v in table.items() if k != "user_rates"}
         self.lim = OutputRateLimiter(default, table["user_rates"], burst, **rest)
+        self.shared = SharedLimiter(
+            self.lim, Accounting(), clock=lambda: self.now, mode=mode
+        )
         self.twin = (
             OutputRateLimiter(default, table["user_rates"], burst, **rest)
             if monotone
@@ -155,6 +200,9 @@ class LimiterModel(RuleBasedStateMachine):
         self.users = {u: UserModel(rate=self.resolve(u)[0]) for u in USERS}
         self.with_state: set[str] = set()  # users holding state in ``lim``
         self.twin_with_state: set[str] = set()
+        # Promise 10: the last step's answers, and the tokens taken since.
+        self.seen: tuple[int, int, dict[str, int]] | None = None
+        self.taken_since: Counter[str] = Counter()
 
     def limiters(self) -> list[OutputRateLimiter]:
         return [self.lim] if self.twin is None else [self.lim, self.twin]
@@ -197,20 +245,67 @@ class LimiterModel(RuleBasedStateMachine):
             steps.append(st.integers(-2 * NS_PER_S, -1))
         self.now += data.draw(st.one_of(steps), label="dt")
 
+    # -- the pacing mode -----------------------------------------------------------
+
+    @rule(mode=st.sampled_from(Mode))
+    def set_mode(self, mode: Mode) -> None:
+        """The control plane switches the mode under the lock: no answer
+        changes, and it is no change of limits (promise 9)."""
+        before = {u: answers(self.lim, u, self.now) for u in USERS}
+        changes = self.lim.limit_changes
+        with self.shared.lock:
+            self.shared.mode = mode
+        assert self.lim.limit_changes == changes
+        assert {u: answers(self.lim, u, self.now) for u in USERS} == before
+
+    def calls_limiter(self) -> bool:
+        """Whether the scheduler's step calls the limiter in the mode now (all
+        but ``off``). Requires the lock held, as the step holds it."""
+        return self.shared.mode is not Mode.OFF
+
+    def count_step(
+        self, user: str, charged: int, refunds: int = 0, refused: int = 0
+    ) -> None:
+        """Records a step's events in the accounting as the scheduler does in
+        the mode now, and in the model (promise 9)."""
+        counted = self.users[user].counted
+        accounting = self.shared.accounting
+        if charged:
+            accounting.record_charged({user: charged})
+            counted.charged += charged
+        if refunds:
+            accounting.record(user, "refunds", refunds)
+            counted.refunds += refunds
+        if refused:
+            shadow = self.shared.mode is Mode.SHADOW
+            accounting.record(
+                user, "shadow_skips" if shadow else "throttled_skips", refused
+            )
+            if shadow:
+                counted.shadow_skips += refused
+            else:
+                counted.throttled_skips += refused
+        self.taken_since[user] += charged
+
     # -- taking and refunding ------------------------------------------------------
 
     @rule(user=users)
     def take(self, user: str) -> None:
-        model = self.users[user]
-        granted = [lim.try_take(user, self.now) for lim in self.limiters()]
-        assert len(set(granted)) == 1, f"{user}: cleaned and twin disagree {granted}"
-        self.end_demand(user)
-        if model.rate == 0:
-            assert granted[0], f"{user} is not limited, yet refused"
-            return
-        self.created_state(user)
-        if granted[0]:
-            self.grant(user, 1)
+        with self.shared.lock:
+            if not self.calls_limiter():
+                self.end_demand(user)
+                return
+            model = self.users[user]
+            granted = [lim.try_take(user, self.now) for lim in self.limiters()]
+            assert len(set(granted)) == 1, f"{user}: cleaned, twin disagree {granted}"
+            self.end_demand(user)
+            self.count_step(user, int(granted[0]), refused=int(not granted[0]))
+            if model.rate == 0:
+                assert granted[0], f"{user} is not limited, yet refused"
+                return
+            self.created_state(user)
+            if granted[0]:
+                self.grant(user, 1)
 
     @rule(user=users, data=st.data())
     def take_available(self, user: str, data: st.DataObject) -> None:
@@ -231,35 +326,117 @@ class LimiterModel(RuleBasedStateMachine):
     def take_many(self, user: str, most: int) -> None:
         """``most`` takes in a row at one instant: the first ``available``
         succeed, the rest are refused (promise 5)."""
-        model = self.users[user]
-        available = self.lim.available(user, self.now)
-        if model.rate == 0:
-            assert available == UNLIMITED
+        with self.shared.lock:
+            if not self.calls_limiter():
+                self.end_demand(user)
+                return
+            model = self.users[user]
+            available = self.lim.available(user, self.now)
+            if model.rate == 0:
+                assert available == UNLIMITED
+                for lim in self.limiters():
+                    assert all(lim.try_take(user, self.now) for _ in range(most))
+                self.count_step(user, most)
+                return
+            assert available <= full_bucket(model.rate, self.burst)
+            taken = min(most, available)
+            want = [True] * taken + [False] * (most - taken)
             for lim in self.limiters():
-                assert all(lim.try_take(user, self.now) for _ in range(most)), user
-            return
-        assert available <= full_bucket(model.rate, self.burst)
-        taken = min(most, available)
-        want = [True] * taken + [False] * (most - taken)
-        for lim in self.limiters():
-            got = [lim.try_take(user, self.now) for _ in range(most)]
-            assert got == want, f"{user}: {available} available, takes went {got}"
-        if most:
-            self.created_state(user)
-        self.grant(user, taken)
-        if most > available:
-            self.demanded(user, taken)
-        else:
-            self.end_demand(user)
+                got = [lim.try_take(user, self.now) for _ in range(most)]
+                assert got == want, f"{user}: {available} available, takes went {got}"
+            self.count_step(user, taken, refused=most - taken)
+            if most:
+                self.created_state(user)
+            self.grant(user, taken)
+            if most > available:
+                self.demanded(user, taken)
+            else:
+                self.end_demand(user)
 
-    @rule(user=users)
-    def refund(self, user: str) -> None:
-        for lim in self.limiters():
-            lim.refund(user, self.now)
-        charges = self.users[user].charges
-        if charges:
-            charges.pop()
-        self.end_demand(user)
+    @rule(user=users, data=st.data())
+    def paced_step(self, user: str, data: st.DataObject) -> None:
+        """The scheduler's paced step for one user: one ``take_up_to`` for its
+        demand (its live requests), then one refund of the tokens charged but
+        not dispatched (promise 8). The twin takes the same one by one."""
+        with self.shared.lock:
+            if not self.calls_limiter():
+                self.end_demand(user)
+                return
+            model = self.users[user]
+            available = self.lim.available(user, self.now)
+            most = data.draw(
+                st.integers(0, 8) | st.just(min(available, 50) + 1), label="demand"
+            )
+            taken, remaining = self.lim.take_up_to(user, most, self.now)
+            lost = data.draw(st.just(0) | st.integers(0, taken), label="undispatched")
+            if lost:
+                self.lim.refund(user, self.now, lost)
+            if self.twin is not None:
+                got = [self.twin.try_take(user, self.now) for _ in range(most)]
+                assert got == [True] * taken + [False] * (most - taken), (user, got)
+                if lost:
+                    self.twin.refund(user, self.now, lost)
+            self.count_step(user, taken, refunds=lost, refused=most - taken)
+            if model.rate == 0:
+                assert (taken, remaining) == (most, UNLIMITED - most), user
+                assert self.lim.available(user, self.now) == UNLIMITED
+                return
+            assert (taken, remaining) == (
+                min(most, available),
+                available - min(most, available),
+            ), f"{user}: {available} available, demand {most}"
+            after = self.lim.available(user, self.now)
+            assert after == available - taken + lost, f"{user}: {after} after refund"
+            self.with_state.add(user)  # take_up_to creates it, even for 0
+            if most:
+                self.twin_with_state.add(user)
+            self.grant(user, taken - lost)
+            if most > available and not lost:
+                self.demanded(user, taken)
+            else:
+                self.end_demand(user)
+
+    @rule(data=st.data())
+    def free_step(self, data: st.DataObject) -> None:
+        """The scheduler's free step: users known to have budget for all their
+        demand are charged it after the fact in one ``take_each`` (promise 8);
+        the twin takes the same one by one."""
+        with self.shared.lock:
+            if not self.calls_limiter():
+                return
+            counts: dict[str, int] = {}
+            before: dict[str, int] = {}
+            for user in data.draw(st.lists(users, unique=True), label="users"):
+                before[user] = self.lim.available(user, self.now)
+                if before[user]:
+                    most = min(before[user], 20)
+                    counts[user] = data.draw(st.integers(1, most), label=user)
+            remaining = self.lim.take_each(counts, self.now)
+            assert remaining.keys() == counts.keys()
+            for user, count in counts.items():
+                if self.twin is not None:
+                    assert all(self.twin.try_take(user, self.now) for _ in range(count))
+                self.count_step(user, count)
+                self.end_demand(user)
+                if self.users[user].rate == 0:
+                    assert remaining[user] == UNLIMITED, user
+                    continue
+                assert remaining[user] == before[user] - count, user
+                assert self.lim.available(user, self.now) == remaining[user], user
+                self.created_state(user)
+                self.grant(user, count)
+
+    @rule(user=users, count=st.just(1) | st.integers(1, 5))
+    def refund(self, user: str, count: int) -> None:
+        with self.shared.lock:
+            self.end_demand(user)
+            if not self.calls_limiter():
+                return
+            for lim in self.limiters():
+                lim.refund(user, self.now, count)
+            self.count_step(user, 0, refunds=count)
+            charges = self.users[user].charges
+            del charges[max(0, len(charges) - count) :]
 
     # -- changing limits -----------------------------------------------------------
 
@@ -379,6 +556,25 @@ class LimiterModel(RuleBasedStateMachine):
             )
             for u in USERS
         }
+        changes = [lim.limit_changes for lim in self.limiters()]
+        with self.shared.lock:
+            self.change_each(one, on_table, valid=valid, whole=whole)
+        assert [lim.limit_changes for lim in self.limiters()] == [
+            n + valid for n in changes
+        ], "a valid change counts once, an invalid one not at all"
+        if valid:
+            model()
+        for user, (rate, lead, had_state) in before.items():
+            self.limit_may_have_changed(user, rate, lead, had_state)
+
+    def change_each(
+        self,
+        one: Callable[[OutputRateLimiter], object],
+        on_table: Callable[[LimitTable], object] | None,
+        *,
+        valid: bool,
+        whole: bool,
+    ) -> None:
         for lim in self.limiters():
             if whole and lim is self.lim and on_table is not None:
                 table = lim.limits()
@@ -393,10 +589,6 @@ class LimiterModel(RuleBasedStateMachine):
             else:
                 with pytest.raises(ValueError):
                     one(lim)
-        if valid:
-            model()
-        for user, (rate, lead, had_state) in before.items():
-            self.limit_may_have_changed(user, rate, lead, had_state)
 
     def limit_may_have_changed(
         self, user: str, rate: int, lead: int, had_state: bool
@@ -428,8 +620,10 @@ class LimiterModel(RuleBasedStateMachine):
 
     @rule()
     def cleanup(self) -> None:
+        """Idle-user cleanup, which the engine runs in every mode."""
         idle = {u for u in self.with_state if self.lim.lead_ns(u, self.now) == 0}
-        assert self.lim.cleanup_idle_users(self.now) == len(idle)
+        with self.shared.lock:
+            assert self.lim.cleanup_idle_users(self.now) == len(idle)
         self.with_state -= idle
 
     # -- bookkeeping ---------------------------------------------------------------
@@ -498,6 +692,29 @@ class LimiterModel(RuleBasedStateMachine):
                 assert available <= full_bucket(rate, self.burst), user
                 assert (available > 0) == (ready == now), user
         assert self.lim.tracked_users() == len(self.with_state)
+
+    @invariant()
+    def counters_are_the_models(self) -> None:
+        for user in USERS:
+            assert self.shared.accounting.of(user) == self.users[user].counted, user
+
+    @invariant()
+    def budget_only_grows_with_time(self) -> None:
+        """Promise 10, between the previous step's answers and these."""
+        now, changes = self.now, self.lim.limit_changes
+        available = {u: self.lim.available(u, now) for u in USERS}
+        if self.monotone and self.seen is not None:
+            then, then_changes, then_available = self.seen
+            if changes == then_changes:
+                assert now >= then
+                for user in USERS:
+                    floor = then_available[user] - self.taken_since[user]
+                    assert available[user] >= floor, (
+                        f"{user}: {then_available[user]} available at {then}, "
+                        f"{self.taken_since[user]} taken, {available[user]} at {now}"
+                    )
+        self.seen = (now, changes, available)
+        self.taken_since.clear()
 
     @invariant()
     def cleanup_changes_no_answer(self) -> None:
