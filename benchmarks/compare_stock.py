@@ -369,21 +369,29 @@ def worker_cpus(count: int) -> list[dict[str, str]]:
 
 
 def start_servers(
-    model_dir: str, workdir: Path, server_args: list[str], stock: bool
+    model_dir: str,
+    workdir: Path,
+    server_args: list[str],
+    stock: bool,
+    swapped: bool = False,
 ) -> tuple[VllmServer, VllmServer | None]:
     """The paced server and, with ``stock``, a stock one, started at once, their
-    workers on disjoint CPUs (``worker_cpus``)."""
+    workers on disjoint CPUs (``worker_cpus``; ``swapped`` exchanges the two
+    sets)."""
     common = [
         "--custom-histogram-buckets",
         json.dumps({"inter_token_latency": ITL_BUCKETS}),
     ]
     common += server_args
     paced_env, stock_env = worker_cpus(2) if stock else ({}, {})
+    if swapped:
+        paced_env, stock_env = stock_env, paced_env
+    placement = "-swapped" if swapped else ""
     with ThreadPoolExecutor(2) as pool:
         paced = pool.submit(
             start_server,
             model_dir,
-            workdir / "paced.log",
+            workdir / f"paced{placement}.log",
             pacing_args(SERVER_LIMITS) + common,
             env=paced_env,
         )
@@ -391,7 +399,7 @@ def start_servers(
             pool.submit(
                 start_server,
                 model_dir,
-                workdir / "stock.log",
+                workdir / f"stock{placement}.log",
                 common,
                 stock=True,
                 env=stock_env,
@@ -459,24 +467,35 @@ async def _throughput(server: VllmServer) -> float:
     return sum(r.completion_tokens for r in results) / (time.monotonic() - started)
 
 
-def throughput_part(
+def throughput_runs(
     paced: VllmServer, stock: VllmServer, runs: int
-) -> tuple[Row, dict]:
+) -> dict[str, list[float]]:
+    """Output tok/s of each server over ``runs`` runs taken in turn (A B A B)."""
     asyncio.run(_throughput(paced))  # warm-up, not kept
     asyncio.run(_throughput(stock))
     ours, base = [], []
-    for _ in range(runs):  # A B A B ...
+    for _ in range(runs):
         ours.append(asyncio.run(_throughput(paced)))
         base.append(asyncio.run(_throughput(stock)))
-    row = Row(
+    return {"paced_tok_s": ours, "stock_tok_s": base}
+
+
+def throughput_row(placements: list[dict[str, list[float]]]) -> Row:
+    """The throughput row over one or two CPU placements (the second with the
+    servers' CPU sets swapped): the ratio is the geometric mean of each
+    placement's ratio of medians, so a faster CPU set favours neither side."""
+    ratios = [ratio_of_medians(p["paced_tok_s"], p["stock_tok_s"]) for p in placements]
+    runs = len(placements[0]["paced_tok_s"])
+    detail = " and ".join(f"{r:.3f}" for r in ratios)
+    return Row(
         f"2 output tok/s, {THROUGHPUT_STREAMS} streams x {THROUGHPUT_TOKENS} tokens, "
-        f"median of {runs}",
-        f"{statistics.median(base):.0f}",
-        f"{statistics.median(ours):.0f}",
-        f"{ratio_of_medians(ours, base):.3f}x",
+        f"median of {runs}"
+        + (f", CPU sets swapped ({detail})" if len(placements) > 1 else ""),
+        " / ".join(f"{statistics.median(p['stock_tok_s']):.0f}" for p in placements),
+        " / ".join(f"{statistics.median(p['paced_tok_s']):.0f}" for p in placements),
+        f"{statistics.geometric_mean(ratios):.3f}x",
         "≥ 0.98x",
     )
-    return row, {"paced_tok_s": ours, "stock_tok_s": base}
 
 
 def isolation_part(paced: VllmServer) -> tuple[Row, dict]:
@@ -656,10 +675,9 @@ def _server_parts(
         results["schedulers"] = check_servers(paced, stock)
         print(f"servers: {results['schedulers']} (logs in {workdir})", flush=True)
         if "throughput" in args.only and stock is not None:
-            row, results["throughput"] = throughput_part(
-                paced, stock, args.throughput_runs
-            )
-            rows.append(row)
+            results["throughput"] = [
+                throughput_runs(paced, stock, args.throughput_runs)
+            ]
         if "isolation" in args.only:
             row, results["isolation"] = isolation_part(paced)
             rows.append(row)
@@ -673,6 +691,21 @@ def _server_parts(
         for server in (paced, stock):
             if server is not None:
                 server.stop()
+    if "throughput" in args.only and stock is not None:
+        # Once more with the CPU sets exchanged (see throughput_row).
+        paced, stock = start_servers(
+            model_dir, workdir, server_args, stock=True, swapped=True
+        )
+        assert stock is not None  # started with stock=True
+        try:
+            check_servers(paced, stock)
+            results["throughput"].append(
+                throughput_runs(paced, stock, args.throughput_runs)
+            )
+        finally:
+            paced.stop()
+            stock.stop()
+        rows.insert(0, throughput_row(results["throughput"]))
     return rows
 
 
