@@ -92,6 +92,7 @@ from engine_ext import stats_payload
 from engine_ext.request_tracing import with_throttle_headers
 from pacing import attachments
 from pacing.accounting import Accounting
+from pacing.budget import BudgetSource
 from pacing.identity import ANONYMOUS_USER, user_from_extra_args
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
@@ -292,6 +293,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         return self.output_rate_shared.limiter
 
     @property
+    def budget(self) -> BudgetSource:
+        """What the step spends tokens from (``pacing.budget``): the limiter
+        itself on one engine, claimed balances with a global store."""
+        return self.output_rate_shared.budget
+
+    @property
     def accounting(self) -> Accounting:
         """The per-user counters; the facade (``output_rate_shared``) holds them."""
         return self.output_rate_shared.accounting
@@ -420,9 +427,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             return self._unpaced_step(*args, **kwargs)
         shadow = mode is Mode.SHADOW
         now_ns = self.clock()
-        limit_changed = self._seen_limit_changes != self.limiter.limit_changes
+        limit_changed = self._seen_limit_changes != self.budget.limit_changes
         if limit_changed:  # every user's headroom may have shrunk
-            self._seen_limit_changes = self.limiter.limit_changes
+            self._seen_limit_changes = self.budget.limit_changes
             self._headroom.clear()
             self._constrained = set(self._live)
         if not (self._constrained or self._yielded or self._throttling):
@@ -498,7 +505,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if counts:
             headroom = self._headroom
             live = self._live
-            for user, remaining in self.limiter.take_each(counts, now_ns).items():
+            for user, remaining in self.budget.take_each(counts, now_ns).items():
                 if remaining >= live.get(user, 0) > 0:
                     headroom[user] = remaining  # still unconstrained: the common case
                 else:
@@ -603,7 +610,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         grant on first use (one limiter call per user and step)."""
         left = step.left.get(user)
         if left is None:
-            left, remaining = self.limiter.take_up_to(
+            left, remaining = self.budget.take_up_to(
                 user, self._live.get(user, 1), step.now_ns
             )
             step.left[user] = step.granted[user] = left
@@ -676,7 +683,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         stream (``parked`` is rotated, so later means served more recently)."""
         position = {id(r): i for i, r in enumerate(parked)}
         ready = {
-            user: self.limiter.ready_at_ns(user, step.now_ns)
+            user: self.budget.ready_at_ns(user, step.now_ns)
             for user in {self.user_of(r) for r in parked}
         }
         candidates = [
@@ -720,7 +727,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def _settle(self, step: _Step, output: SchedulerOutput) -> None:
         """The single refund point, and what the next step needs to know."""
         now_ns = step.now_ns
-        limiter = self.limiter
+        budget = self.budget
         dispatched = output.num_scheduled_tokens
         last_served = self._last_served
         refunds: dict[str, int] = {}
@@ -735,10 +742,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 charged[user] = step.granted[user] - left
             unused = left + refunds.get(user, 0)
             if unused:
-                limiter.refund(user, now_ns, unused)
+                budget.refund(user, now_ns, unused)
             self._set_headroom(user, step.remaining[user] + unused)
         for user in self._constrained - step.left.keys():
-            self._set_headroom(user, limiter.available(user, now_ns))
+            self._set_headroom(user, budget.available(user, now_ns))
         if self._yielded or self._throttling:
             self._close_throttled_episodes(step, dispatched)
         accounting = self.accounting
@@ -753,7 +760,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.next_ready_ns = None
         if not dispatched and step.refused:
             self.next_ready_ns = min(
-                limiter.ready_at_ns(user, now_ns) for user in step.refused
+                budget.ready_at_ns(user, now_ns) for user in step.refused
             )
         if self.cleanup_due(now_ns):
             self._cleanup_idle_users(now_ns)

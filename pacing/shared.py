@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from pacing.accounting import Accounting, UserCounters
+from pacing.budget import BudgetSource
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.recent_rate import NS_PER_S, RecentRates
@@ -104,9 +105,11 @@ class SharedLimiter:
         rate_window_ns: int = 5 * NS_PER_S,
         rate_interval_ns: int = NS_PER_S,
         mode: Mode = Mode.ENFORCE,
+        budget: BudgetSource | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.limiter = limiter
+        self._budget = budget
         self.accounting = accounting
         self.clock = clock
         self._request_counts = request_counts
@@ -116,6 +119,18 @@ class SharedLimiter:
         #: How the scheduler acts on the limiter's decisions; read at the start
         #: of every step, changed (like limits) only under the lock.
         self.mode = mode
+
+    @property
+    def budget(self) -> BudgetSource:
+        """What the scheduler spends tokens from (``pacing.budget``): the limiter
+        itself, unless a global store's claimed balances stand in."""
+        return self.limiter if self._budget is None else self._budget
+
+    def use_budget(self, budget: BudgetSource | None) -> None:
+        """Makes ``budget`` what the scheduler spends from (``None``: the
+        limiter again). Call with the lock held, before the scheduler caches
+        anything from the old source, or bump ``budget.limit_changes``."""
+        self._budget = budget
 
     def on_step(self, now_ns: int) -> None:
         """Records the end of a scheduling step at ``now_ns`` (samples recent
