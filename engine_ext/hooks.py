@@ -147,7 +147,8 @@ def _add_cli_args(
     group = parser.add_argument_group(
         "Per-user output pacing",
         "Cap each user's output tokens per second inside the scheduler (GCRA). "
-        "The user is vllm_xargs.output_rate_user (default __anonymous__).",
+        "The user comes from --output-rate-user-source (by default "
+        "vllm_xargs.output_rate_user; none: __anonymous__).",
     )
     settings.add_cli_args(group)
     return parser

@@ -1,12 +1,20 @@
-"""ASGI middleware that rejects, with HTTP 400, requests the engine must not see:
-an invalid ``output_rate_user`` and beam search, on every vLLM endpoint whose
-body can name a user (``GUARDED_PATHS``)."""
+"""ASGI middleware that settles, before the engine sees a request, who it belongs
+to and whether it may run, on every vLLM endpoint whose body can name a user
+(``GUARDED_PATHS``).
+
+It answers 400 for an invalid user id, for beam search, and, when the id comes
+from a header or the OpenAI ``user`` field (``--output-rate-user-source``), for
+a client-sent ``vllm_xargs.output_rate_user``; 401 for a request that names no
+user when ``--output-rate-require-user`` is set. Otherwise it passes the body
+on: unchanged, or with the id it read written into the body's extra args, the
+one field the engine reads a request's user from.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -17,7 +25,16 @@ from pydantic import TypeAdapter, ValidationError
 # Starlette that moved it fails at import, not silently.
 from starlette._utils import get_route_path
 
-from pacing.identity import USER_FIELD, validate_user
+from pacing.identity import (
+    HEADER,
+    OPENAI_USER,
+    USER_FIELD,
+    XARGS,
+    XARGS_SOURCE,
+    UserSource,
+    validate_user,
+)
+from pacing.settings import REQUIRE_USER_FLAG, USER_SOURCE_FLAG, OutputRateSettings
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,12 +50,18 @@ class BodyShape(NamedTuple):
     xargs: tuple[str, ...]
     #: Whether the body's top-level ``use_beam_search`` is honoured.
     beam_search: bool
+    #: Whether the body's top-level ``user`` is the OpenAI ``user`` field.
+    openai_user: bool
+    #: Whether the endpoint submits the request to the engine (render
+    #: endpoints only build its input): only then is a user charged.
+    samples: bool = True
     #: Whether vLLM answers this endpoint's errors in Anthropic's format.
     anthropic_errors: bool = False
 
 
-_OPENAI = BodyShape(("vllm_xargs",), beam_search=True)
-_NO_BEAM = BodyShape(("vllm_xargs",), beam_search=False)
+_XARGS = ("vllm_xargs",)
+_OPENAI = BodyShape(_XARGS, beam_search=True, openai_user=True)
+_RESPONSES = BodyShape(_XARGS, beam_search=False, openai_user=True)
 
 #: Every vLLM 0.32 endpoint whose body can carry a user id (checked against
 #: vLLM's own routes by tests/test_http_guard.py), and its body's shape.
@@ -49,58 +72,97 @@ GUARDED_PATHS: Mapping[str, BodyShape] = MappingProxyType(
         # Not a declared field, but vLLM copies extra fields into each
         # conversation's ChatCompletionRequest.
         "/v1/chat/completions/batch": _OPENAI,
-        "/v1/responses": _NO_BEAM,
+        "/v1/responses": _RESPONSES,
         "/v1/messages": BodyShape(
-            ("vllm_xargs",), beam_search=False, anthropic_errors=True
+            _XARGS, beam_search=False, openai_user=False, anthropic_errors=True
         ),
         # SageMaker: dispatches a completion or chat body to those handlers.
         "/invocations": _OPENAI,
         # Scale-out (--enable-scale-out, --tokens-only): render only builds the
         # engine input, generate submits it.
-        "/v1/completions/render": _OPENAI,
-        "/v1/chat/completions/render": _OPENAI,
-        "/v1/responses/render": _NO_BEAM,
-        "/v1/messages/render": _NO_BEAM,
+        "/v1/completions/render": _OPENAI._replace(samples=False),
+        "/v1/chat/completions/render": _OPENAI._replace(samples=False),
+        "/v1/responses/render": _RESPONSES._replace(samples=False),
+        "/v1/messages/render": BodyShape(
+            _XARGS, beam_search=False, openai_user=False, samples=False
+        ),
         "/inference/v1/generate": BodyShape(
-            ("sampling_params", "extra_args"), beam_search=False
+            ("sampling_params", "extra_args"), beam_search=False, openai_user=False
         ),
     }
+)
+
+#: vLLM 0.32 endpoints that submit generation requests built from named fields
+#: only: nothing a client or gateway sends reaches their extra args, so they are
+#: always charged to ``__anonymous__``, and refused when a user is required.
+UNATTRIBUTED_PATHS = frozenset(
+    {"/v1/systemone", "/generative_scoring", "/cohere/v2/chat"}
 )
 
 #: vLLM reads ``use_beam_search`` as a pydantic ``bool`` (lax: "true", "on", 1...).
 _PYDANTIC_BOOL = TypeAdapter(bool)
 
 
+class IdentityPolicy(NamedTuple):
+    """Where a request's user id comes from, and whether one is required."""
+
+    source: UserSource = XARGS_SOURCE
+    require_user: bool = False
+
+    @classmethod
+    def from_settings(cls, paced: OutputRateSettings) -> IdentityPolicy:
+        return cls(paced.user_source, paced.require_user)
+
+
+#: Today's behaviour: the client names its user in the body, or none.
+DEFAULT_POLICY = IdentityPolicy()
+#: What ``_named_user`` finds where a request names no user.
+_ABSENT = object()
+
+
 class Rejection(NamedTuple):
-    """Why a body is answered with 400, and the body field to blame (if any)."""
+    """Why a request is refused, the body field to blame (if any), and the
+    HTTP status: 400 for a bad request, 401 for one that names no user."""
 
     message: str
     param: str | None
+    status: int = 400
 
 
-def check_request_body(body: bytes, shape: BodyShape) -> Rejection | None:
-    """The reason to reject a guarded endpoint's ``body``, or None to pass it on.
+def check_request_body(
+    body: bytes,
+    shape: BodyShape,
+    policy: IdentityPolicy = DEFAULT_POLICY,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> bytes | Rejection:
+    """The body to pass on for a guarded endpoint's request, or the reason to
+    refuse it. ``headers`` are the request's, as ASGI hands them over.
+
+    The body passed on is ``body`` itself, unless the user id comes from a
+    header or the ``user`` field (``policy.source``) and the endpoint samples:
+    then it is ``body`` with that id as its extra args' ``output_rate_user``
+    (re-encoded by ``json.dumps``, which ``json.loads`` reads back to the same
+    values). A request that names no user is charged to ``__anonymous__``, or
+    refused with 401 when ``policy.require_user`` is set and it samples.
 
     A body that ``json.loads`` cannot parse (invalid JSON or UTF-8, an integer
-    beyond Python's digit limit) is passed on: vLLM parses the same bytes with the
-    same function in the same process, so it fails the same way and answers 400
-    itself. A body nested too deep for the parser's recursion limit is rejected
-    here: that limit depends on the stack depth, so vLLM, parsing it elsewhere,
-    might read a user this guard never checked. There is no size limit beyond
-    vLLM's own (none): the body is buffered once and replayed.
+    beyond Python's digit limit) is passed on unchanged: vLLM parses the same
+    bytes with the same function in the same process, so it fails the same way
+    and answers 400 itself. A body nested too deep for the parser's recursion
+    limit is rejected here: that limit depends on the stack depth, so vLLM,
+    parsing it elsewhere, might read a user this guard never checked. There is
+    no size limit beyond vLLM's own (none): the body is buffered once and
+    replayed.
     """
+    field = ".".join((*shape.xargs, USER_FIELD))
     try:
         payload = json.loads(body)
     except ValueError:  # JSONDecodeError, UnicodeDecodeError, too many digits
-        return None
+        return body
     except RecursionError:
-        return Rejection(
-            "request body is nested too deeply to check "
-            f"{'.'.join(shape.xargs)}.{USER_FIELD}",
-            None,
-        )
+        return Rejection(f"request body is nested too deeply to check {field}", None)
     if not isinstance(payload, dict):
-        return None
+        return body
     if shape.beam_search and _asks_for_beam_search(payload):
         return Rejection(
             "beam search is not supported with per-user output pacing",
@@ -108,16 +170,120 @@ def check_request_body(body: bytes, shape: BodyShape) -> Rejection | None:
         )
     xargs: Any = payload
     for key in shape.xargs:
-        if not isinstance(xargs, dict):
-            return None  # not the shape vLLM accepts: vLLM answers 400
-        xargs = xargs.get(key)
-    if isinstance(xargs, dict) and USER_FIELD in xargs:
-        field = f"{'.'.join(shape.xargs)}.{USER_FIELD}"
-        try:
-            validate_user(xargs[USER_FIELD], field=field)
-        except ValueError as exc:
-            return Rejection(str(exc), field)
-    return None
+        xargs = xargs.get(key) if isinstance(xargs, dict) else None
+    sent = isinstance(xargs, dict) and USER_FIELD in xargs
+    source = policy.source
+    if sent and source.kind != XARGS:
+        return Rejection(
+            f"{field} must not be sent: this server takes the user id from "
+            f"{source.where} ({USER_SOURCE_FLAG} {source.spec})",
+            field,
+        )
+    named = _named_user(payload, xargs if sent else None, shape, source, headers)
+    if isinstance(named, Rejection):
+        return named
+    user, where = named
+    # A header is no body field: there is no param to blame.
+    param = None if source.kind == HEADER else where
+    if user is _ABSENT:
+        if policy.require_user and shape.samples:
+            return _no_user(source, shape, where, param)
+        return body
+    try:
+        valid = validate_user(user, field=where)
+    except ValueError as exc:
+        return Rejection(str(exc), param)
+    if source.kind == XARGS or not shape.samples:
+        return body
+    return _with_user(payload, shape, valid)
+
+
+def _named_user(
+    payload: dict[str, Any],
+    xargs: dict[str, Any] | None,
+    shape: BodyShape,
+    source: UserSource,
+    headers: Sequence[tuple[bytes, bytes]],
+) -> tuple[object, str] | Rejection:
+    """The user id the request names where ``source`` says (``_ABSENT``: none;
+    not yet validated) and that place in words; ``xargs`` is the body's extra
+    args if they hold ``output_rate_user``. An empty or null header or ``user``
+    field names no user; an empty or null ``output_rate_user`` is invalid, as
+    it always was."""
+    if source.kind == XARGS:
+        where = ".".join((*shape.xargs, USER_FIELD))
+        return (_ABSENT if xargs is None else xargs[USER_FIELD]), where
+    if source.kind == HEADER:
+        value = _header_value(headers, source)
+        if isinstance(value, Rejection):
+            return value
+        return (value or _ABSENT), source.where
+    value = payload.get("user") if shape.openai_user else None
+    return (_ABSENT if value in (None, "") else value), "user"
+
+
+def _header_value(
+    headers: Sequence[tuple[bytes, bytes]], source: UserSource
+) -> str | Rejection | None:
+    """The value of ``source``'s header, stripped as HTTP field values are; None
+    when absent."""
+    assert source.header is not None  # a header source names one
+    name = source.header.encode("latin-1")
+    values = [value for key, value in headers if key.lower() == name]
+    if not values:
+        return None
+    if len(values) > 1:
+        return Rejection(f"{source.where} must be sent once, got {len(values)}", None)
+    try:
+        return values[0].decode("utf-8").strip(" \t")
+    except UnicodeDecodeError:
+        return Rejection(f"{source.where} must be UTF-8", None)
+
+
+def _no_user(
+    source: UserSource, shape: BodyShape, where: str, param: str | None
+) -> Rejection:
+    if source.kind == OPENAI_USER:
+        missing = (
+            "the OpenAI `user` field is missing or empty"
+            if shape.openai_user
+            else "this endpoint's body has no OpenAI `user` field"
+        )
+    elif source.kind == XARGS:
+        missing = f"{where} is missing"
+    else:
+        missing = f"{where} is missing or empty"
+    return _unauthorized(missing, param)
+
+
+def _unauthorized(missing: str, param: str | None) -> Rejection:
+    return Rejection(
+        f"no user id: {missing}; this server charges every request to a user "
+        f"({REQUIRE_USER_FLAG})",
+        param,
+        401,
+    )
+
+
+def _with_user(
+    payload: dict[str, Any], shape: BodyShape, user: str
+) -> bytes | Rejection:
+    """``payload`` encoded with ``user`` written into its extra args, or a
+    rejection when a key on the way holds something other than an object (vLLM
+    would refuse that body too)."""
+    target = payload
+    for depth, key in enumerate(shape.xargs):
+        inner = target.get(key)
+        last = depth == len(shape.xargs) - 1
+        if inner is None and last:
+            inner = {}
+        if not isinstance(inner, dict):
+            where = ".".join(shape.xargs[: depth + 1])
+            return Rejection(f"{where} must be an object", where)
+        if last:
+            target[key] = {**inner, USER_FIELD: user}
+        target = inner
+    return json.dumps(payload).encode()
 
 
 def _asks_for_beam_search(payload: dict[str, Any]) -> bool:
@@ -127,20 +293,47 @@ def _asks_for_beam_search(payload: dict[str, Any]) -> bool:
         return False  # vLLM rejects the value itself
 
 
+def policy_of(app: object) -> IdentityPolicy:
+    """The identity policy of the server ``app`` serves: its settings, read
+    from the ``vllm_config`` vLLM keeps in the app's state."""
+    try:
+        vllm_config = app.state.vllm_config  # type: ignore[attr-defined]
+    except AttributeError:
+        raise RuntimeError(
+            "vLLM internals moved: the API server's app state holds no "
+            "vllm_config; engine_ext supports vLLM 0.32.x only"
+        ) from None
+    paced = OutputRateSettings.from_additional_config(vllm_config.additional_config)
+    return IdentityPolicy.from_settings(paced)
+
+
 class OutputRateRequestGuard:
-    """Buffers the body of POSTs to ``GUARDED_PATHS``, answers 400 for a bad one,
-    and replays the body unchanged to the app otherwise."""
+    """Buffers the body of POSTs to ``GUARDED_PATHS``, refuses a bad one, and
+    replays the body (as ``check_request_body`` returns it) to the app
+    otherwise. With a user required, refuses POSTs to ``UNATTRIBUTED_PATHS``."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        #: Read on the first request: vLLM sets the app's state after it adds
+        #: middleware.
+        self._policy: IdentityPolicy | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        shape = (
-            GUARDED_PATHS.get(get_route_path(scope))
-            if scope["type"] == "http" and scope["method"] == "POST"
-            else None
-        )
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = get_route_path(scope)
+        shape = GUARDED_PATHS.get(path)
+        if shape is None and path not in UNATTRIBUTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self._policy is None:
+            self._policy = policy_of(scope.get("app"))
         if shape is None:
+            if self._policy.require_user:
+                missing = "this endpoint cannot carry one to the scheduler"
+                await _send_error(send, _unauthorized(missing, None), anthropic=False)
+                return
             await self.app(scope, receive, send)
             return
         chunks, more = [], True
@@ -150,17 +343,19 @@ class OutputRateRequestGuard:
                 return
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-        body = b"".join(chunks)
+        received = b"".join(chunks)
         try:
-            rejection = check_request_body(body, shape)
+            body = check_request_body(received, shape, self._policy, scope["headers"])
         except Exception:
             # Fail closed: a request whose user was not checked must not reach
             # the engine, and a bug here must not become a 500.
             logger.exception("output-rate guard failed on a %s body", scope["path"])
-            rejection = Rejection("request body could not be checked", None)
-        if rejection is not None:
-            await _send_bad_request(send, rejection, shape)
+            body = Rejection("request body could not be checked", None)
+        if isinstance(body, Rejection):
+            await _send_error(send, body, anthropic=shape.anthropic_errors)
             return
+        if body is not received:
+            scope = {**scope, "headers": _with_content_length(scope["headers"], body)}
         replayed = False
 
         async def replay() -> Message:
@@ -173,27 +368,36 @@ class OutputRateRequestGuard:
         await self.app(scope, replay, send)
 
 
-async def _send_bad_request(send: Send, rejection: Rejection, shape: BodyShape) -> None:
-    """Answers 400 in the error format vLLM uses on that endpoint."""
-    if shape.anthropic_errors:
+def _with_content_length(
+    headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` with a content-length that matches the rewritten ``body``."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    return [*kept, (b"content-length", str(len(body)).encode())]
+
+
+async def _send_error(send: Send, rejection: Rejection, *, anthropic: bool) -> None:
+    """Answers ``rejection`` in the error format vLLM uses on the endpoint."""
+    kind = "AuthenticationError" if rejection.status == 401 else "BadRequestError"
+    if anthropic:
         error: dict[str, Any] = {
             "type": "error",
-            "error": {"type": "BadRequestError", "message": rejection.message},
+            "error": {"type": kind, "message": rejection.message},
         }
     else:
         error = {
             "error": {
                 "message": rejection.message,
-                "type": "BadRequestError",
+                "type": kind,
                 "param": rejection.param,
-                "code": 400,
+                "code": rejection.status,
             }
         }
     payload = json.dumps(error).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 400,
+            "status": rejection.status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(payload)).encode()),

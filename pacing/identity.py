@@ -1,15 +1,20 @@
 """Who a request belongs to: ``vllm_xargs.output_rate_user`` (which vLLM hands the
-engine as ``SamplingParams.extra_args``), and the one rule for a valid user id.
+engine as ``SamplingParams.extra_args``), where the HTTP guard takes it from
+(``UserSource``), and the one rule for a valid user id.
 
-The field is not authenticated: a trusted gateway must overwrite it. The OpenAI
-``user`` field plays no part.
+With the default source the client writes the field itself, unauthenticated. With
+a header or the OpenAI ``user`` field as the source, the guard refuses a
+client-sent field and writes the id it read there instead, so the engine side
+never changes: it reads the field.
 """
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 #: Key in ``vllm_xargs`` / ``SamplingParams.extra_args``.
 USER_FIELD = "output_rate_user"
@@ -82,3 +87,81 @@ def user_from_extra_args(extra_args: Mapping[str, Any] | None) -> str:
     if not extra_args or USER_FIELD not in extra_args:
         return ANONYMOUS_USER
     return validate_user(extra_args[USER_FIELD])
+
+
+#: The kinds of ``UserSource``, as ``--output-rate-user-source`` spells them
+#: (a header's is ``header:NAME``).
+XARGS: Final = "xargs"
+HEADER: Final = "header"
+OPENAI_USER: Final = "openai-user"
+_HEADER_PREFIX = f"{HEADER}:"
+#: An RFC 9110 header name (a ``token``).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: Headers that carry credentials: an id read from one would put the secret in
+#: metrics labels, logs and the control plane.
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+@dataclass(frozen=True)
+class UserSource:
+    """Where the HTTP guard reads a request's user id: the body's
+    ``vllm_xargs.output_rate_user`` (``xargs``), request header ``header``
+    (``header``; lower case, as ASGI servers hand header names over), or the
+    body's OpenAI ``user`` field (``openai-user``)."""
+
+    kind: Literal["xargs", "header", "openai-user"] = XARGS
+    header: str | None = None
+
+    @property
+    def spec(self) -> str:
+        """The ``--output-rate-user-source`` value that selects this source."""
+        return f"{_HEADER_PREFIX}{self.header}" if self.kind == HEADER else self.kind
+
+    @property
+    def where(self) -> str:
+        """Where the id comes from, in words for error messages."""
+        if self.kind == HEADER:
+            return f"request header {self.header}"
+        if self.kind == OPENAI_USER:
+            return "the OpenAI `user` field"
+        return f"vllm_xargs.{USER_FIELD}"
+
+
+#: The default: the client's own ``vllm_xargs.output_rate_user``.
+XARGS_SOURCE = UserSource()
+
+
+def parse_user_source(raw: object, *, field: str = "user source") -> UserSource:
+    """``raw`` (``xargs``, ``header:NAME`` or ``openai-user``; kinds and header
+    names are case-insensitive) as a ``UserSource``; ValueError naming
+    ``field`` otherwise. NAME must be an HTTP header name other than one that
+    carries credentials (``CREDENTIAL_HEADERS``)."""
+    if isinstance(raw, UserSource):
+        return raw
+    if not isinstance(raw, str):
+        raise ValueError(
+            f"{field} must be a string (xargs, header:NAME or openai-user), "
+            f"got {type(raw).__name__}"
+        )
+    text = raw.strip()
+    if text.lower() == XARGS:
+        return XARGS_SOURCE
+    if text.lower() == OPENAI_USER:
+        return UserSource(OPENAI_USER)
+    if text[: len(_HEADER_PREFIX)].lower() != _HEADER_PREFIX:
+        raise ValueError(
+            f"{field} must be xargs, header:NAME or openai-user, got {raw!r}"
+        )
+    name = text[len(_HEADER_PREFIX) :].strip()
+    if not _HEADER_NAME.fullmatch(name):
+        raise ValueError(
+            f"{field} names no valid HTTP header ({name!r}): NAME must be one "
+            "token of letters, digits and !#$%&'*+-.^_`|~, e.g. header:X-User-Id"
+        )
+    if name.lower() in CREDENTIAL_HEADERS:
+        raise ValueError(
+            f"{field} must not be {name}: it carries a credential, which would "
+            "end up in metrics labels and logs; let the gateway map it to a user "
+            "id in a header of its own"
+        )
+    return UserSource(HEADER, name.lower())

@@ -13,6 +13,8 @@ field vLLM carries to the engine-core process for plugins).
       "memberships": {"user-b": "pro"},
       "exempt_users": ["ops"],
       "exempt_tiers": [],
+      "user_source": "xargs",          # or "header:NAME", "openai-user"
+      "require_user": false,           # true: no id is a 401, not __anonymous__
       "control": {                     # absent: no control plane
         "address": "127.0.0.1:50151", "config_path": null, "token_file": null,
         "tls_cert": null, "tls_key": null, "tls_client_ca": null
@@ -39,7 +41,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from pacing.identity import validate_user
+from pacing.identity import (
+    XARGS_SOURCE,
+    UserSource,
+    parse_user_source,
+    validate_user,
+)
 from pacing.limiter import OutputRateLimiter, validate_rate
 from pacing.modes import Mode, parse_mode
 
@@ -55,6 +62,8 @@ TIERS_FLAG = "--output-rate-tiers"
 TIER_MEMBERS_FLAG = "--output-rate-tier-members"
 EXEMPT_USERS_FLAG = "--output-rate-exempt-users"
 EXEMPT_TIERS_FLAG = "--output-rate-exempt-tiers"
+USER_SOURCE_FLAG = "--output-rate-user-source"
+REQUIRE_USER_FLAG = "--output-rate-require-user"
 ADDRESS_FLAG = "--output-rate-control-address"
 CONFIG_FLAG = "--user-output-rate-config"
 TOKEN_FILE_FLAG = "--output-rate-control-token-file"
@@ -132,8 +141,9 @@ class MetricsSettings:
 class OutputRateSettings:
     """What the operator asked for, validated: a default limit (``None`` =
     pacing off) and per-user overrides in output tokens per second, the mode,
-    tiers, memberships and exemptions (``pacing.limits``), the control plane
-    (``None``: none asked for) and the metrics."""
+    tiers, memberships and exemptions (``pacing.limits``), where the HTTP guard
+    takes a request's user id from and whether a request must name one, the
+    control plane (``None``: none asked for) and the metrics."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
@@ -142,6 +152,8 @@ class OutputRateSettings:
     memberships: Mapping[str, str] = field(default_factory=dict)  # user -> tier
     exempt_users: frozenset[str] = frozenset()
     exempt_tiers: frozenset[str] = frozenset()
+    user_source: UserSource = XARGS_SOURCE
+    require_user: bool = False
     control: ControlSettings | None = None
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
@@ -152,6 +164,8 @@ class OutputRateSettings:
             object.__setattr__(self, name, _names(getattr(self, name), _TABLE[name]))
         try:
             object.__setattr__(self, "mode", parse_mode(self.mode, field=MODE_FLAG))
+            source = parse_user_source(self.user_source, field=USER_SOURCE_FLAG)
+            object.__setattr__(self, "user_source", source)
             if self.default_rate is not None:
                 validate_rate(self.default_rate, field=DEFAULT_RATE_FLAG)
             for name in _TABLE:
@@ -165,10 +179,18 @@ class OutputRateSettings:
                     f"{TIER_MEMBERS_FLAG} puts {user!r} in tier {tier!r}, which "
                     f"neither {TIERS_FLAG} nor {EXEMPT_TIERS_FLAG} defines"
                 )
+        if not isinstance(self.require_user, bool):
+            raise SettingsError(
+                f"{REQUIRE_USER_FLAG} must be a boolean, got {self.require_user!r}"
+            )
         if self.default_rate is None:
             given = [flag for name, flag in _TABLE.items() if getattr(self, name)]
             if self.mode is not Mode.ENFORCE:
                 given.append(MODE_FLAG)
+            if self.user_source != XARGS_SOURCE:
+                given.append(USER_SOURCE_FLAG)
+            if self.require_user:
+                given.append(REQUIRE_USER_FLAG)
             if given:
                 raise SettingsError(
                     f"{given[0]} needs {DEFAULT_RATE_FLAG}: the default limit "
@@ -210,8 +232,12 @@ class OutputRateSettings:
             for name, flag in _TABLE.items()
         }
         mode = getattr(args, _dest(MODE_FLAG))
+        identity = {
+            "user_source": getattr(args, _dest(USER_SOURCE_FLAG)),
+            "require_user": getattr(args, _dest(REQUIRE_USER_FLAG)),
+        }
         if default_rate is None:
-            return cls(mode=mode, **table)
+            return cls(mode=mode, **table, **identity)
         control = ControlSettings(
             **{name: getattr(args, _dest(flag)) for name, flag in _FLAGS.items()}
         )
@@ -220,6 +246,7 @@ class OutputRateSettings:
             default_rate,
             mode=mode,
             **table,
+            **identity,
             control=control,
             metrics=given.metrics,
         )
@@ -254,6 +281,17 @@ class OutputRateSettings:
                 mode = parse_mode(mode, field=f"{where}['mode']")
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+        user_source = entry.get("user_source")  # absent or null: the default
+        if user_source is not None:
+            try:
+                user_source = parse_user_source(
+                    user_source, field=f"{where}['user_source']"
+                )
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        require_user = entry.get("require_user")
+        if require_user is not None and not isinstance(require_user, bool):
+            raise SettingsError(f"{where}['require_user'] must be a boolean")
         control = None
         if (control_entry := entry.get("control")) is not None:
             _check_keys(control_entry, f"{where}['control']", _fields(ControlSettings))
@@ -269,6 +307,8 @@ class OutputRateSettings:
             memberships=_object_entry(entry, "memberships", where),
             exempt_users=_names_entry(entry, "exempt_users", where),
             exempt_tiers=_names_entry(entry, "exempt_tiers", where),
+            user_source=XARGS_SOURCE if user_source is None else user_source,
+            require_user=bool(require_user),
             control=control,
             metrics=MetricsSettings(**metrics),
         )
@@ -283,6 +323,8 @@ class OutputRateSettings:
             "memberships": dict(self.memberships),
             "exempt_users": sorted(self.exempt_users),
             "exempt_tiers": sorted(self.exempt_tiers),
+            "user_source": self.user_source.spec,
+            "require_user": self.require_user,
             "metrics": asdict(self.metrics),
         }
         if self.control is not None:
@@ -341,6 +383,22 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         default=None,
         help="Tiers whose members (those without a limit of their own) are never "
         "throttled, as a JSON array, e.g. '[\"staff\"]'.",
+    )
+    group.add_argument(
+        USER_SOURCE_FLAG,
+        type=_user_source_arg,
+        default=XARGS_SOURCE,
+        metavar="{xargs,header:NAME,openai-user}",
+        help="Where a request's user id comes from: vllm_xargs.output_rate_user "
+        "(xargs, the default; the client sets it), request header NAME (set by "
+        "a trusted gateway), or the OpenAI `user` field. With header:NAME or "
+        "openai-user a client-sent vllm_xargs.output_rate_user is refused (400).",
+    )
+    group.add_argument(
+        REQUIRE_USER_FLAG,
+        action="store_true",
+        help="Refuse (401) a request that names no user, instead of charging it "
+        "to __anonymous__.",
     )
     group.add_argument(
         ADDRESS_FLAG,
@@ -537,6 +595,13 @@ def _rate_arg(raw: str) -> int:
 def _mode_arg(raw: str) -> Mode:
     try:
         return parse_mode(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _user_source_arg(raw: str) -> UserSource:
+    try:
+        return parse_user_source(raw, field="value")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -1,18 +1,22 @@
 """The HTTP guard: 400 for a bad ``output_rate_user`` and for beam search on every
 guarded endpoint, a clean answer for any body, everything else passed through byte
-for byte (a real ASGI app); and ``GUARDED_PATHS`` checked against vLLM's own routes."""
+for byte (a real ASGI app); the user id from a header or the OpenAI ``user``
+field written where the engine reads it, a client-sent one refused, 401 when a
+user is required; and ``GUARDED_PATHS`` checked against vLLM's own routes."""
 
 from __future__ import annotations
 
 import json
 import typing
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from pydantic import BaseModel
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,32 +24,57 @@ from starlette.routing import Route
 import engine_ext.http_guard
 from engine_ext.http_guard import (
     GUARDED_PATHS,
+    UNATTRIBUTED_PATHS,
     BodyShape,
+    IdentityPolicy,
     OutputRateRequestGuard,
+    Rejection,
     check_request_body,
 )
-from pacing.identity import validate_user
+from pacing.identity import parse_user_source, validate_user
+from pacing.settings import OutputRateSettings
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
+SAMPLING_PATHS = sorted(path for path, shape in GUARDED_PATHS.items() if shape.samples)
+RENDER_PATHS = sorted(set(GUARDED_PATHS) - set(SAMPLING_PATHS))
 
 
 async def echo(request: Request) -> Response:
-    return Response(await request.body(), media_type="application/octet-stream")
-
-
-APP = OutputRateRequestGuard(
-    Starlette(
-        routes=[
-            Route(path, echo, methods=["POST"]) for path in [*GUARDED_PATHS, "/other"]
-        ]
+    """The request's body, and the content-length the app was handed."""
+    return Response(
+        await request.body(),
+        media_type="application/octet-stream",
+        headers={"x-seen-length": request.headers.get("content-length", "")},
     )
-)
 
 
-async def post(path: str, content: bytes, root_path: str = "") -> httpx.Response:
-    transport = httpx.ASGITransport(app=APP, root_path=root_path)
+def guarded_app(**settings: Any) -> Starlette:
+    """An app built as vLLM builds its server: the guard added as middleware,
+    and the server's settings in ``app.state.vllm_config``."""
+    paced = OutputRateSettings(default_rate=100, **settings)
+    paths = [*GUARDED_PATHS, *UNATTRIBUTED_PATHS, "/other"]
+    app = Starlette(
+        routes=[Route(path, echo, methods=["POST"]) for path in paths],
+        middleware=[Middleware(OutputRateRequestGuard)],
+    )
+    additional = {"output_rate": paced.to_additional_config()}
+    app.state.vllm_config = SimpleNamespace(additional_config=additional)
+    return app
+
+
+APP = guarded_app()
+
+
+async def post(
+    path: str,
+    content: bytes,
+    root_path: str = "",
+    app: Starlette = APP,
+    headers: Any = None,
+) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app, root_path=root_path)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-        return await client.post(path, content=content)
+        return await client.post(path, content=content, headers=headers)
 
 
 def with_xargs(shape: BodyShape, xargs: Any, **fields: Any) -> bytes:
@@ -241,8 +270,373 @@ async def test_other_paths_are_not_inspected():
 def test_check_request_body_accepts_a_user_at_the_byte_limit():
     at_limit = with_xargs(COMPLETIONS, {"output_rate_user": "é" * 128})
     over = with_xargs(COMPLETIONS, {"output_rate_user": "é" * 129})
-    assert check_request_body(at_limit, COMPLETIONS) is None
-    assert check_request_body(over, COMPLETIONS) is not None
+    assert check_request_body(at_limit, COMPLETIONS) is at_limit
+    assert isinstance(check_request_body(over, COMPLETIONS), Rejection)
+
+
+# -- where the user id comes from (--output-rate-user-source) ------------------
+
+HEADER_APP = guarded_app(user_source="header:X-User-Id")
+OPENAI_USER_APP = guarded_app(user_source="openai-user")
+REQUIRED = {
+    source: guarded_app(user_source=source, require_user=True)
+    for source in ("xargs", "header:X-User-Id", "openai-user")
+}
+#: A minimal valid body of each sampling endpoint, without extra args.
+MINIMAL_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"model": "m", "prompt": "hi"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/chat/completions/batch": {"messages": [[{"role": "user", "content": "hi"}]]},
+    "/v1/responses": {"input": "hi"},
+    "/v1/messages": {
+        "model": "m",
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    "/invocations": {"prompt": "hi"},
+    "/inference/v1/generate": {"token_ids": [1, 2], "sampling_params": {}},
+}
+
+
+def extra_args(shape: BodyShape, body: bytes) -> Any:
+    """The dict at ``shape.xargs`` in ``body``."""
+    inner: Any = json.loads(body)
+    for key in shape.xargs:
+        inner = inner[key]
+    return inner
+
+
+def test_every_sampling_path_has_a_minimal_body():
+    assert set(MINIMAL_BODIES) == set(SAMPLING_PATHS)
+
+
+@pytest.mark.parametrize("path", SAMPLING_PATHS)
+@pytest.mark.anyio
+async def test_the_header_id_is_written_where_the_engine_reads_it(path):
+    shape = GUARDED_PATHS[path]
+    body = json.dumps(MINIMAL_BODIES[path]).encode()
+    response = await post(path, body, app=HEADER_APP, headers={"X-User-Id": "alice"})
+    assert response.status_code == 200
+    # Nothing else changed, and the app was handed a matching content-length.
+    expected = json.loads(body)
+    inner = expected
+    for key in shape.xargs[:-1]:
+        inner = inner[key]
+    inner[shape.xargs[-1]] = {"output_rate_user": "alice"}
+    assert json.loads(response.content) == expected
+    assert response.headers["x-seen-length"] == str(len(response.content))
+
+
+@pytest.mark.parametrize("path", SAMPLING_PATHS)
+def test_vllm_reads_the_written_id_from_every_sampling_body(path):
+    """The rewritten body, parsed by vLLM's own request model, carries the id
+    in the extra args it hands the engine."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        BatchChatCompletionRequest,
+        ChatCompletionRequest,
+    )
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateRequest,
+    )
+
+    policy = IdentityPolicy(parse_user_source("header:x-user-id"))
+    body = json.dumps(MINIMAL_BODIES[path]).encode()
+    rewritten = check_request_body(
+        body, GUARDED_PATHS[path], policy, [(b"x-user-id", b"alice")]
+    )
+    assert isinstance(rewritten, bytes)
+    payload = json.loads(rewritten)
+    if path == "/inference/v1/generate":
+        xargs = GenerateRequest.model_validate(payload).sampling_params.extra_args
+    elif path == "/v1/chat/completions/batch":
+        batch = BatchChatCompletionRequest.model_validate(payload)
+        conversation = batch.messages[0]
+        xargs = batch.to_chat_completion_request(conversation).vllm_xargs
+    else:
+        model = {
+            "/v1/completions": CompletionRequest,
+            "/invocations": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/responses": ResponsesRequest,
+            "/v1/messages": AnthropicMessagesRequest,
+        }[path]
+        xargs = model.model_validate(payload).vllm_xargs
+    assert xargs == {"output_rate_user": "alice"}
+
+
+@pytest.mark.anyio
+async def test_the_written_id_keeps_the_other_extra_args():
+    body = with_xargs(COMPLETIONS, {"other": [1, "x"]}, prompt="hi")
+    response = await post(
+        "/v1/completions", body, app=HEADER_APP, headers={"x-user-id": "alice"}
+    )
+    assert extra_args(COMPLETIONS, response.content) == {
+        "other": [1, "x"],
+        "output_rate_user": "alice",
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": NaN, "temperature": -Infinity, "top_p": 1e999999}',
+        b'{"prompt": "\\ud800 \\u00e9 \xc3\xa9", "n": 12345678901234567890}',
+        b'{"prompt": "a", "prompt": "b", "vllm_xargs": null}',
+        b'{"prompt": [1, 2.5, true, null, {"x": []}], "seed": -0.0}',
+    ],
+)
+def test_a_rewritten_body_reads_back_as_the_original_plus_the_id(body):
+    policy = IdentityPolicy(parse_user_source("header:x-user-id"))
+    rewritten = check_request_body(
+        body, COMPLETIONS, policy, [(b"x-user-id", b"alice")]
+    )
+    assert isinstance(rewritten, bytes)
+    expected = json.loads(body)
+    expected["vllm_xargs"] = {"output_rate_user": "alice"}
+    # Compared as JSON text: NaN is not equal to itself.
+    assert json.dumps(json.loads(rewritten)) == json.dumps(expected)
+
+
+@pytest.mark.parametrize("path", RENDER_PATHS)
+@pytest.mark.anyio
+async def test_render_paths_are_never_rewritten(path):
+    """A render's output goes back to /inference/v1/generate, where the id is
+    written; one written here would be refused there as client-sent."""
+    body = json.dumps({"prompt": "hi", "user": "alice"}).encode()
+    for app in (HEADER_APP, OPENAI_USER_APP):
+        response = await post(path, body, app=app, headers={"x-user-id": "alice"})
+        assert response.content == body
+
+
+@pytest.mark.parametrize("app", [HEADER_APP, OPENAI_USER_APP], ids=["header", "user"])
+@pytest.mark.parametrize("path", sorted(GUARDED_PATHS))
+@pytest.mark.anyio
+async def test_a_client_sent_id_is_refused_in_the_gateway_modes(path, app):
+    shape = GUARDED_PATHS[path]
+    field = ".".join((*shape.xargs, "output_rate_user"))
+    # Even when it names the same user as the header and the user field.
+    body = with_xargs(shape, {"output_rate_user": "alice"}, user="alice")
+    response = await post(path, body, app=app, headers={"x-user-id": "alice"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(f"{field} must not be sent: this server ")
+    assert ("request header x-user-id" if app is HEADER_APP else "`user` field") in (
+        error["message"]
+    )
+    assert "--output-rate-user-source" in error["message"]
+    if not shape.anthropic_errors:
+        assert error["param"] == field
+
+
+@pytest.mark.parametrize("value", [None, "null", 5])
+@pytest.mark.anyio
+async def test_any_client_sent_value_counts_as_sent(value):
+    body = with_xargs(COMPLETIONS, {"output_rate_user": value})
+    response = await post("/v1/completions", body, app=HEADER_APP)
+    assert "must not be sent" in error_message(response)
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"x-user-id": ""}, {"x-user-id": " \t "}], ids=["none", "", "ws"]
+)
+@pytest.mark.anyio
+async def test_without_the_header_a_request_is_anonymous(headers):
+    body = json.dumps({"prompt": "hi"}).encode()
+    response = await post("/v1/completions", body, app=HEADER_APP, headers=headers)
+    assert response.status_code == 200
+    assert response.content == body  # nothing written: charged to __anonymous__
+
+
+@pytest.mark.anyio
+async def test_the_header_value_is_stripped_as_http_field_values_are():
+    body = json.dumps({"prompt": "hi"}).encode()
+    headers = {"x-user-id": "\t alice smith "}
+    response = await post("/v1/completions", body, app=HEADER_APP, headers=headers)
+    assert extra_args(COMPLETIONS, response.content)["output_rate_user"] == (
+        "alice smith"
+    )
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ([("x-user-id", "a" * 257)], "request header x-user-id must be at most 256"),
+        ([("x-user-id", b"al\x7fice")], "x-user-id must not contain control"),
+        ([("x-user-id", b"\xc3\x28")], "request header x-user-id must be UTF-8"),
+        ([("x-user-id", b"\xed\xa0\x80")], "x-user-id must be UTF-8"),  # surrogate
+        (
+            [("x-user-id", "alice"), ("X-User-Id", "bob")],
+            "request header x-user-id must be sent once, got 2",
+        ),
+    ],
+)
+@pytest.mark.anyio
+async def test_a_bad_header_id_gets_400_naming_the_header(headers, message):
+    body = json.dumps({"prompt": "hi"}).encode()
+    response = await post("/v1/completions", body, app=HEADER_APP, headers=headers)
+    assert message in error_message(response)
+    assert response.json()["error"]["param"] is None
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in SAMPLING_PATHS if GUARDED_PATHS[p].openai_user)
+)
+@pytest.mark.anyio
+async def test_the_openai_user_field_is_written_where_the_engine_reads_it(path):
+    body = json.dumps({**MINIMAL_BODIES[path], "user": "alice"}).encode()
+    response = await post(path, body, app=OPENAI_USER_APP)
+    assert extra_args(GUARDED_PATHS[path], response.content) == {
+        "output_rate_user": "alice"
+    }
+    assert json.loads(response.content)["user"] == "alice"  # left for vLLM
+
+
+@pytest.mark.parametrize(
+    ("user", "message"),
+    [(5, "user must be a string, got int"), ("a\nb", "user must not contain")],
+)
+@pytest.mark.anyio
+async def test_a_bad_openai_user_gets_400_naming_the_field(user, message):
+    body = json.dumps({"prompt": "hi", "user": user}).encode()
+    response = await post("/v1/completions", body, app=OPENAI_USER_APP)
+    assert message in error_message(response)
+    assert response.json()["error"]["param"] == "user"
+
+
+@pytest.mark.parametrize("user", [None, ""])
+@pytest.mark.anyio
+async def test_a_null_or_empty_openai_user_is_anonymous(user):
+    body = json.dumps({"prompt": "hi", "user": user}).encode()
+    response = await post("/v1/completions", body, app=OPENAI_USER_APP)
+    assert response.content == body
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/inference/v1/generate"])
+@pytest.mark.anyio
+async def test_bodies_without_an_openai_user_field_are_anonymous_in_that_mode(path):
+    body = json.dumps({**MINIMAL_BODIES[path], "user": "alice"}).encode()
+    response = await post(path, body, app=OPENAI_USER_APP)
+    assert response.content == body
+    response = await post(path, body, app=REQUIRED["openai-user"])
+    assert response.status_code == 401
+    assert "has no OpenAI `user` field" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("source", "headers", "missing", "param"),
+    [
+        (
+            "xargs",
+            {},
+            "vllm_xargs.output_rate_user is missing",
+            "vllm_xargs.output_rate_user",
+        ),
+        ("header:X-User-Id", {}, "request header x-user-id is missing or empty", None),
+        (
+            "header:X-User-Id",
+            {"x-user-id": ""},
+            "request header x-user-id is missing or empty",
+            None,
+        ),
+        ("openai-user", {}, "the OpenAI `user` field is missing or empty", "user"),
+    ],
+)
+@pytest.mark.anyio
+async def test_a_required_user_that_is_missing_gets_401(
+    source, headers, missing, param
+):
+    body = json.dumps({"prompt": "hi", "user": ""}).encode()
+    response = await post(
+        "/v1/completions", body, app=REQUIRED[source], headers=headers
+    )
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert error["message"] == (
+        f"no user id: {missing}; this server charges every request to a user "
+        "(--output-rate-require-user)"
+    )
+    assert (error["type"], error["code"], error["param"]) == (
+        "AuthenticationError",
+        401,
+        param,
+    )
+
+
+@pytest.mark.anyio
+async def test_a_required_user_that_is_present_passes():
+    body = json.dumps({"prompt": "hi"}).encode()
+    app = REQUIRED["header:X-User-Id"]
+    response = await post("/v1/completions", body, app=app, headers={"x-user-id": "a"})
+    assert extra_args(COMPLETIONS, response.content) == {"output_rate_user": "a"}
+    body = with_xargs(COMPLETIONS, {"output_rate_user": "a"})
+    response = await post("/v1/completions", body, app=REQUIRED["xargs"])
+    assert response.content == body
+
+
+@pytest.mark.anyio
+async def test_a_missing_user_gets_401_in_anthropics_format_on_messages():
+    body = json.dumps(MINIMAL_BODIES["/v1/messages"]).encode()
+    response = await post("/v1/messages", body, app=REQUIRED["header:X-User-Id"])
+    assert response.status_code == 401
+    assert response.json()["type"] == "error"
+    assert response.json()["error"]["type"] == "AuthenticationError"
+
+
+@pytest.mark.parametrize("path", RENDER_PATHS)
+@pytest.mark.anyio
+async def test_render_paths_need_no_user_they_charge_nobody(path):
+    body = json.dumps({"prompt": "hi"}).encode()
+    response = await post(path, body, app=REQUIRED["header:X-User-Id"])
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("path", sorted(UNATTRIBUTED_PATHS))
+@pytest.mark.anyio
+async def test_paths_no_id_can_reach_are_refused_only_when_a_user_is_required(path):
+    body = b'{"any": "body"}'
+    for app in (APP, HEADER_APP):
+        response = await post(path, body, app=app, headers={"x-user-id": "alice"})
+        assert response.content == body
+    response = await post(
+        path, body, app=REQUIRED["header:X-User-Id"], headers={"x-user-id": "alice"}
+    )
+    assert response.status_code == 401
+    assert (
+        "this endpoint cannot carry one to the scheduler"
+        in (response.json()["error"]["message"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", b'{"vllm_xargs": "x"}', "vllm_xargs must be an object"),
+        ("/v1/completions", b'{"vllm_xargs": []}', "vllm_xargs must be an object"),
+        ("/inference/v1/generate", b'{"token_ids": [1]}', "sampling_params must be"),
+        (
+            "/inference/v1/generate",
+            b'{"sampling_params": {"extra_args": 7}}',
+            "sampling_params.extra_args must be an object",
+        ),
+    ],
+)
+@pytest.mark.anyio
+async def test_an_id_that_cannot_be_written_gets_400(path, body, message):
+    response = await post(path, body, app=HEADER_APP, headers={"x-user-id": "alice"})
+    assert message in error_message(response)
+
+
+@pytest.mark.anyio
+async def test_a_server_whose_state_holds_no_vllm_config_fails_closed():
+    app = Starlette(
+        routes=[Route("/v1/completions", echo, methods=["POST"])],
+        middleware=[Middleware(OutputRateRequestGuard)],
+    )
+    with pytest.raises(RuntimeError, match="vLLM internals moved"):
+        await post("/v1/completions", b"{}", app=app)
 
 
 @pytest.fixture
@@ -387,6 +781,26 @@ def test_every_vllm_route_that_takes_extra_args_is_guarded_with_its_shape(
         shape = GUARDED_PATHS[path]
         assert taking[path] == {shape.xargs}, path
         assert shape.beam_search == _declares_beam_search(vllm_post_routes[path]), path
+
+
+def test_openai_user_is_read_exactly_where_vllms_body_declares_user(
+    vllm_post_routes,
+):
+    from vllm.entrypoints.generate.factories import get_generate_invocation_types
+
+    for path, shape in GUARDED_PATHS.items():
+        body = vllm_post_routes[path]
+        if body is None:  # /invocations: a chat or completion body
+            models = [t for t, _ in get_generate_invocation_types(("generate",))]
+        else:
+            models = list(_models(body))
+        declares = [("user" in model.model_fields) for model in models]
+        assert declares and all(d == shape.openai_user for d in declares), path
+
+
+def test_the_unattributed_paths_are_the_reviewed_ones_that_reach_the_engine():
+    reaching = {path for path, why in REVIEWED_UNGUARDED.items() if why == _NO_XARGS}
+    assert reaching == UNATTRIBUTED_PATHS
 
 
 def test_every_other_vllm_post_route_was_reviewed(vllm_post_routes):

@@ -18,11 +18,19 @@ from control.errors import InvalidArgument
 from control.persistence import ConfigFile
 from control.service import LimitsService
 from control.table import loads, shown
-from engine_ext.http_guard import GUARDED_PATHS, check_request_body
+from engine_ext.http_guard import (
+    GUARDED_PATHS,
+    IdentityPolicy,
+    Rejection,
+    check_request_body,
+)
 from pacing.identity import (
     ANONYMOUS_USER,
     MAX_USER_BYTES,
     USER_FIELD,
+    XARGS_SOURCE,
+    UserSource,
+    parse_user_source,
     user_from_extra_args,
     validate_user,
 )
@@ -158,6 +166,64 @@ def test_validation_matches_the_documented_rule(value):
 
 # -- every entry point --------------------------------------------------------
 
+# -- where the id comes from (--output-rate-user-source) ----------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "source", "where"),
+    [
+        ("xargs", XARGS_SOURCE, "vllm_xargs.output_rate_user"),
+        (" XArgs ", XARGS_SOURCE, "vllm_xargs.output_rate_user"),
+        ("openai-user", UserSource("openai-user"), "the OpenAI `user` field"),
+        ("OpenAI-User", UserSource("openai-user"), "the OpenAI `user` field"),
+        (
+            "header:X-User-Id",
+            UserSource("header", "x-user-id"),
+            "request header x-user-id",
+        ),
+        (
+            "HEADER: x-user-id ",
+            UserSource("header", "x-user-id"),
+            "request header x-user-id",
+        ),
+        (
+            "header:X_Consumer~1",
+            UserSource("header", "x_consumer~1"),
+            "request header x_consumer~1",
+        ),
+    ],
+)
+def test_user_sources_parse_case_insensitively_and_round_trip(raw, source, where):
+    parsed = parse_user_source(raw)
+    assert parsed == source
+    assert parsed.where == where
+    assert parse_user_source(parsed.spec) == parsed
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("body", "the flag must be xargs, header:NAME or openai-user, got 'body'"),
+        ("", "the flag must be xargs, header:NAME or openai-user, got ''"),
+        ("openai", "must be xargs, header:NAME or openai-user"),
+        ("header:", "the flag names no valid HTTP header ('')"),
+        ("header:X User", "names no valid HTTP header ('X User')"),
+        ("header:x-user:id", "names no valid HTTP header"),
+        ("header:x-üser", "names no valid HTTP header"),
+        ("header::authority", "names no valid HTTP header"),
+        ("header:Authorization", "the flag must not be Authorization: it carries a"),
+        ("header:proxy-authorization", "carries a credential"),
+        ("header:COOKIE", "carries a credential"),
+        (5, "the flag must be a string (xargs, header:NAME or openai-user), got int"),
+        (None, "must be a string"),
+    ],
+)
+def test_bad_user_sources_are_refused_naming_the_field(raw, message):
+    with pytest.raises(ValueError) as info:
+        parse_user_source(raw, field="the flag")
+    assert message in str(info.value)
+
+
 BAD_IDS = pytest.mark.parametrize(
     ("user", "message"),
     [(SURROGATE, "well-formed Unicode"), (C1, "control characters")],
@@ -212,11 +278,30 @@ def test_offline_requests_refuse_the_id(user, message):
 
 
 @BAD_IDS
-def test_the_http_guard_refuses_the_id(user, message):
-    body = json.dumps({"prompt": "hi", "vllm_xargs": {USER_FIELD: user}})
+def test_the_http_guard_refuses_the_id_from_every_source(user, message):
     shape = GUARDED_PATHS["/v1/completions"]
-    rejection = check_request_body(body.encode(), shape)
-    assert rejection is not None and message in rejection.message
+    from_xargs = json.dumps({"prompt": "hi", "vllm_xargs": {USER_FIELD: user}})
+    from_user = json.dumps({"prompt": "hi", "user": user})
+    header = [(b"x-user-id", user.encode("utf-8", "surrogatepass"))]
+    verdicts = {
+        "xargs": check_request_body(from_xargs.encode(), shape),
+        "openai-user": check_request_body(
+            from_user.encode(), shape, IdentityPolicy(parse_user_source("openai-user"))
+        ),
+        "header": check_request_body(
+            b'{"prompt": "hi"}',
+            shape,
+            IdentityPolicy(parse_user_source("header:X-User-Id")),
+            header,
+        ),
+    }
+    # A header's bytes are decoded as strict UTF-8: a surrogate's never decode.
+    well_formed = user != SURROGATE
+    for source, verdict in verdicts.items():
+        assert isinstance(verdict, Rejection), source
+        assert verdict.status == 400
+        expected = message if well_formed or source != "header" else "must be UTF-8"
+        assert expected in verdict.message, source
 
 
 @BAD_IDS

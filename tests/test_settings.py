@@ -18,6 +18,7 @@ from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from engine_ext.supported import check_supported
 from pacing import settings
+from pacing.identity import HEADER, XARGS_SOURCE, UserSource
 from pacing.limits import LimitSource
 from pacing.modes import Mode
 from pacing.settings import (
@@ -183,6 +184,11 @@ def test_without_the_default_flag_nothing_changes(serve_parser):
         (["--output-rate-exempt-users", '[""]'], "must not be empty"),
         (["--output-rate-exempt-tiers", "[[]]"], "must hold names"),
         (["--output-rate-exempt-tiers", '["st\\u0000aff"]'], "must not contain"),
+        (["--output-rate-user-source", "body"], "must be xargs, header:NAME or"),
+        (["--output-rate-user-source", ""], "must be xargs, header:NAME or"),
+        (["--output-rate-user-source", "header:"], "names no valid HTTP header"),
+        (["--output-rate-user-source", "header:X User"], "no valid HTTP header"),
+        (["--output-rate-user-source", "header:Cookie"], "carries a credential"),
     ],
 )
 def test_bad_flag_values_are_rejected_naming_the_flag(
@@ -255,6 +261,9 @@ def test_a_member_of_an_undefined_tier_is_refused_naming_the_flags(argv, message
         ["--output-rate-tiers", '{"free": 20}'],
         ["--output-rate-exempt-users", '["ops"]'],
         ["--output-rate-exempt-tiers", '["staff"]'],
+        ["--output-rate-user-source", "header:X-User-Id"],
+        ["--output-rate-user-source", "openai-user"],
+        ["--output-rate-require-user"],
     ],
 )
 def test_limit_flags_without_the_default_flag_are_refused(argv):
@@ -313,6 +322,13 @@ def test_tiers_and_the_mode_round_trip_through_additional_config():
         ({"exempt_users": "ops"}, "['exempt_users'] must be an array of names"),
         ({"exempt_tiers": [{"a": 1}]}, "must hold names"),
         ({"exempt_users": ["\ud800"]}, "lone surrogate"),
+        (
+            {"user_source": "header:a b"},
+            "additional_config['output_rate']['user_source'] names no valid HTTP "
+            "header ('a b')",
+        ),
+        ({"user_source": 5}, "['user_source'] must be a string"),
+        ({"require_user": "yes"}, "['require_user'] must be a boolean"),
     ],
 )
 def test_invalid_tables_and_modes_in_additional_config_are_refused(entry, message):
@@ -540,3 +556,47 @@ def test_hooks_install_once():
 def test_rate_flag_type_rejects_bool_like_values():
     with pytest.raises(argparse.ArgumentTypeError):
         settings._rate_arg("true")
+
+
+def test_serve_parser_accepts_the_identity_flags(serve_parser):
+    args = serve_parser.parse_args(
+        [
+            "m",
+            "--default-user-output-tokens-per-second",
+            "100",
+            "--output-rate-user-source",
+            "Header:X-User-Id",
+            "--output-rate-require-user",
+        ]
+    )
+    entry = AsyncEngineArgs.from_cli_args(args).additional_config["output_rate"]
+    assert (entry["user_source"], entry["require_user"]) == ("header:x-user-id", True)
+    paced = OutputRateSettings.from_additional_config({"output_rate": entry})
+    assert paced.user_source == UserSource(HEADER, "x-user-id")
+    assert paced.require_user is True
+
+
+def test_without_the_identity_flags_the_client_names_its_user(serve_parser):
+    args = serve_parser.parse_args(
+        ["m", "--default-user-output-tokens-per-second", "100"]
+    )
+    entry = AsyncEngineArgs.from_cli_args(args).additional_config["output_rate"]
+    assert (entry["user_source"], entry["require_user"]) == ("xargs", False)
+    # Entries of earlier versions, without the keys, read the same.
+    old = OutputRateSettings.from_additional_config(
+        {"output_rate": {"default_rate": 5}}
+    )
+    assert (old.user_source, old.require_user) == (XARGS_SOURCE, False)
+
+
+@pytest.mark.parametrize("source", ["openai-user", "header:x-user-id", "xargs"])
+def test_the_identity_settings_round_trip_through_additional_config(source):
+    paced = OutputRateSettings(default_rate=5, user_source=source, require_user=True)
+    additional = json.loads(json.dumps({"output_rate": paced.to_additional_config()}))
+    assert additional["output_rate"]["user_source"] == source
+    assert OutputRateSettings.from_additional_config(additional) == paced
+
+
+def test_require_user_must_be_a_boolean():
+    with pytest.raises(SettingsError, match="--output-rate-require-user must be a"):
+        OutputRateSettings(default_rate=5, require_user=1)  # type: ignore[arg-type]
