@@ -382,9 +382,7 @@ class OutputRateLimiter:
             start_ns = self._start_ns(now_ns)
             cell = self._cells[user] = _Cell(scaled_tat=start_ns * rate, rate=rate)
         elif cell.rate != rate:
-            debt = max(0, cell.scaled_tat - now_ns * cell.rate)
-            cell.scaled_tat = now_ns * rate + debt
-            cell.rate = rate
+            _rescale(cell, rate, now_ns)
         return cell
 
     def _apply(self, users: Iterable[str], now_ns: int) -> None:
@@ -392,9 +390,22 @@ class OutputRateLimiter:
         state in line with their limit at ``now_ns``: rescaled (debt kept), or
         dropped for a user no longer limited."""
         self.limit_changes += 1
-        for user in users:
+        cells = self._cells
+        # Only users holding state have any to rescale or drop: picked out in C
+        # (``users`` may be every member of a large tier).
+        for user in list(filter(cells.__contains__, users)):
             rate = self.rate_of(user)
             if rate == 0:
-                self._cells.pop(user, None)
-            elif user in self._cells:
-                self._cell(user, rate, now_ns)
+                del cells[user]
+            else:
+                cell = cells[user]
+                if cell.rate != rate:
+                    _rescale(cell, rate, now_ns)
+
+
+def _rescale(cell: _Cell, rate: int, now_ns: int) -> None:
+    """Stores ``cell`` under ``rate`` from ``now_ns`` on, keeping its token debt
+    (see ``OutputRateLimiter.set_rate``)."""
+    debt = cell.scaled_tat - now_ns * cell.rate
+    cell.scaled_tat = now_ns * rate + (debt if debt > 0 else 0)
+    cell.rate = rate

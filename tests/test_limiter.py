@@ -1123,6 +1123,42 @@ def test_a_tier_rate_change_rescales_at_the_change_not_at_the_next_read() -> Non
     assert lim.lead_ns("a", t2) == 25 * MS
 
 
+def test_a_tier_change_recompiles_only_the_members_the_tier_decides() -> None:
+    table = LimitTable(
+        {"pinned": 7},
+        {"free": 10},
+        {"a": "free", "b": "free", "pinned": "free", "freed": "free"},
+        exempt_users={"freed"},
+    )
+    assert set(table.set_tier_rate("free", 30)) == {"a", "b"}
+    assert dict(table.overrides) == {"a": 30, "b": 30, "pinned": 7, "freed": 0}
+    assert set(table.set_tier_exempt("free", True)) == {"a", "b"}
+    assert dict(table.overrides) == {"a": 0, "b": 0, "pinned": 7, "freed": 0}
+    assert set(table.set_tier_rate("gold", 5)) == set()  # no members
+
+
+def test_a_tier_change_rescales_the_members_holding_state_and_no_one_else() -> None:
+    members = {f"m{i}": "free" for i in range(1000)}
+    lim = OutputRateLimiter(
+        100, {"m0": 10}, tier_rates={"free": 10}, memberships=members
+    )
+    for user in ("m0", "m1", "m2"):
+        assert lim.try_take(user, t0) and lim.try_take(user, t0)  # 200 ms at 10/s
+    lim.set_tier_rate("free", 20, t1)
+    # At t1 m1 and m2 owed 1.5 tokens, 75 ms at 20/s; m0 keeps its own pace,
+    # and the other members still hold no state.
+    assert [lim.lead_ns(u, t1) for u in ("m0", "m1", "m2", "m3")] == [
+        150 * MS,
+        75 * MS,
+        75 * MS,
+        0,
+    ]
+    assert lim.tracked_users() == 3
+    lim.set_tier_exempt("free", True, t1)  # m1 and m2 are unlimited: state dropped
+    assert lim.tracked_users() == 1
+    assert (lim.rate_of("m0"), lim.rate_of("m1"), lim.rate_of("m999")) == (10, 0, 0)
+
+
 def test_without_a_rate_an_exempt_tier_stays_and_without_exemption_it_goes() -> None:
     lim = OutputRateLimiter(10, {}, tier_rates={"vip": 50}, exempt_tiers={"vip"})
     lim.set_membership("v", "vip", t0)
