@@ -737,7 +737,8 @@ def answers(lim: OutputRateLimiter, user: str, now: int) -> tuple[object, ...]:
     )
 
 
+# About 9 s of CPU here: the suite's budget for this check is 20 s.
 LimiterModel.TestCase.settings = settings(
-    max_examples=600, stateful_step_count=50, deadline=None
+    max_examples=450, stateful_step_count=50, deadline=None
 )
 TestTheLimiterKeepsTheReferenceModelsPromises = LimiterModel.TestCase
