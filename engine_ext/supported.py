@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pacing.settings import SettingsError
+from pacing.settings import OutputRateSettings, SettingsError
+from pacing.store_settings import STORE_FLAG
 
 
 def check_supported(vllm_config: Any) -> None:
-    """Raises SettingsError for the first unsupported setting."""
+    """Raises SettingsError for the first unsupported setting. Data parallel
+    needs the global store: each rank's scheduler is then one of its clients."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
+    paced = OutputRateSettings.from_additional_config(vllm_config.additional_config)
     refusals = [
         (
             vllm_config.speculative_config is not None,
@@ -19,9 +22,11 @@ def check_supported(vllm_config: Any) -> None:
             "but is charged one",
         ),
         (
-            parallel.data_parallel_size > 1,
-            "--data-parallel-size > 1: each rank would hold its own limiter and "
-            "multiply every user's budget",
+            parallel.data_parallel_size > 1 and paced.store is None,
+            "--data-parallel-size > 1 without a store: each rank would hold its "
+            "own limiter and multiply every user's budget; with "
+            f"{STORE_FLAG} redis://HOST:PORT/DB the ranks share one global "
+            "budget",
         ),
         (
             parallel.pipeline_parallel_size > 1,

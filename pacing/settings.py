@@ -19,7 +19,12 @@ field vLLM carries to the engine-core process for plugins).
         "address": "127.0.0.1:50151", "config_path": null, "token_file": null,
         "tls_cert": null, "tls_key": null, "tls_client_ca": null
       },
-      "metrics": {"emit": false, "max_labelled_users": 100}
+      "metrics": {"emit": false, "max_labelled_users": 100},
+      "store": {                       # absent: no store (one engine's limits)
+        "url": "redis://127.0.0.1:6379/0", "password_file": null,
+        "failure_mode": "keep-local-share", "failure_after_s": 5.0,
+        "timeout_ms": 50
+      }
     }
 
 The tier and exemption keys hold the limit table of ``pacing.limits`` (a user's
@@ -27,7 +32,8 @@ own limit, else its tier's, else the default; exemptions make unlimited). The
 flags always give a ``control`` object (``--output-rate-control-address off``
 runs none); offline, a control plane runs only where one is asked for. Secrets
 never travel here (vLLM logs its config): only the paths of the token and TLS
-files, which the control plane reads where it runs.
+files, which the control plane reads where it runs, and of the store's password
+file (``pacing.store_settings``), which the process that connects reads.
 
 The keys of earlier versions, ``output_rate_control`` and ``output_rate_metrics``,
 are refused with an error that names their new place.
@@ -49,6 +55,23 @@ from pacing.identity import (
 )
 from pacing.limiter import OutputRateLimiter, validate_rate
 from pacing.modes import Mode, parse_mode
+from pacing.store_settings import (
+    DEFAULT_FAILURE_AFTER_S,
+    DEFAULT_TIMEOUT_MS,
+    FAILURE_AFTER_FLAG,
+    FAILURE_MODE_FLAG,
+    MAX_TIMEOUT_MS,
+    PASSWORD_ENV,
+    PASSWORD_FILE_FLAG,
+    STORE_FLAG,
+    TIMEOUT_FLAG,
+    FailureMode,
+    StoreSettings,
+    parse_failure_mode,
+    validate_failure_after,
+    validate_timeout_ms,
+    validate_url,
+)
 
 #: Key of our settings inside ``VllmConfig.additional_config``.
 ADDITIONAL_CONFIG_KEY = "output_rate"
@@ -143,7 +166,9 @@ class OutputRateSettings:
     pacing off) and per-user overrides in output tokens per second, the mode,
     tiers, memberships and exemptions (``pacing.limits``), where the HTTP guard
     takes a request's user id from and whether a request must name one, the
-    control plane (``None``: none asked for) and the metrics."""
+    control plane (``None``: none asked for), the metrics, and the global store
+    that makes the limits hold across engines (``None``: none, each engine
+    paces alone)."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
@@ -156,6 +181,7 @@ class OutputRateSettings:
     require_user: bool = False
     control: ControlSettings | None = None
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    store: StoreSettings | None = None
 
     def __post_init__(self) -> None:
         # Normalised so that equality and ``.value`` hold for a mode given by
@@ -191,6 +217,8 @@ class OutputRateSettings:
                 given.append(USER_SOURCE_FLAG)
             if self.require_user:
                 given.append(REQUIRE_USER_FLAG)
+            if self.store is not None:
+                given.append(STORE_FLAG)
             if given:
                 raise SettingsError(
                     f"{given[0]} needs {DEFAULT_RATE_FLAG}: the default limit "
@@ -221,12 +249,17 @@ class OutputRateSettings:
         additional_config: Mapping[str, Any] | None = None,
     ) -> OutputRateSettings:
         """Reads the flags ``add_cli_args`` added. With pacing on they set the
-        limits, the mode and the control plane; the metrics, which have no
-        flags, come from ``additional_config`` (as the operator passed it), if
-        it has them. Without ``DEFAULT_RATE_FLAG``: pacing off, no control
-        plane (and any other limit flag or a mode other than enforce is an
-        error)."""
+        limits, the mode, the control plane and the store; the metrics, which
+        have no flags, come from ``additional_config`` (as the operator passed
+        it), if it has them. Without ``DEFAULT_RATE_FLAG``: pacing off, no
+        control plane (and any other limit flag, a store flag or a mode other
+        than enforce is an error).
+
+        With a store it also reads the files the store's settings name (the
+        password file, the URL's TLS files), so that an unreadable one ends the
+        start in the API process; their contents go nowhere."""
         default_rate = getattr(args, _dest(DEFAULT_RATE_FLAG))
+        store = _store_from_cli_args(args)
         table = {
             name: _parse_json(getattr(args, _dest(flag)), flag)
             for name, flag in _TABLE.items()
@@ -237,7 +270,12 @@ class OutputRateSettings:
             "require_user": getattr(args, _dest(REQUIRE_USER_FLAG)),
         }
         if default_rate is None:
-            return cls(mode=mode, **table, **identity)
+            return cls(mode=mode, **table, **identity, store=store)
+        if store is not None:
+            try:
+                store.check_files()
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         control = ControlSettings(
             **{name: getattr(args, _dest(flag)) for name, flag in _FLAGS.items()}
         )
@@ -249,6 +287,7 @@ class OutputRateSettings:
             **identity,
             control=control,
             metrics=given.metrics,
+            store=store,
         )
 
     @classmethod
@@ -299,6 +338,15 @@ class OutputRateSettings:
         metrics = entry.get("metrics")
         metrics = {} if metrics is None else metrics
         _check_keys(metrics, f"{where}['metrics']", _fields(MetricsSettings))
+        store = None
+        if (store_entry := entry.get("store")) is not None:
+            _check_keys(store_entry, f"{where}['store']", _fields(StoreSettings))
+            if "url" not in store_entry:
+                raise SettingsError(f"{where}['store'] needs a 'url'")
+            try:
+                store = StoreSettings(**store_entry)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         return cls(
             default_rate=entry.get("default_rate"),
             user_rates=dict(user_rates),
@@ -311,6 +359,7 @@ class OutputRateSettings:
             require_user=bool(require_user),
             control=control,
             metrics=MetricsSettings(**metrics),
+            store=store,
         )
 
     def to_additional_config(self) -> dict[str, Any]:
@@ -329,6 +378,11 @@ class OutputRateSettings:
         }
         if self.control is not None:
             entry["control"] = asdict(self.control)
+        if self.store is not None:
+            entry["store"] = {
+                **asdict(self.store),
+                "failure_mode": self.store.failure_mode.value,
+            }
         return entry
 
 
@@ -434,6 +488,49 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         default=None,
         metavar="PEM",
         help="CA of client certificates; clients without one are refused (mTLS).",
+    )
+    group.add_argument(
+        STORE_FLAG,
+        type=_store_url_arg,
+        default=None,
+        metavar="URL",
+        help="Redis server holding every user's global budget, so that a "
+        "user's limit holds across engines (replicas, --data-parallel-size): "
+        "redis://HOST:PORT/DB, rediss://... (TLS; ?ssl_ca_certs=PEM), "
+        "unix:///PATH?db=N. Never a password in it. Unset: each engine paces "
+        "alone.",
+    )
+    group.add_argument(
+        PASSWORD_FILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help=f"File holding the store's password (default: ${PASSWORD_ENV}, if set).",
+    )
+    group.add_argument(
+        FAILURE_MODE_FLAG,
+        type=_failure_mode_arg,
+        default=None,
+        metavar="{" + ",".join(mode.value for mode in FailureMode) + "}",
+        help="What an engine does once the store has been unreachable for "
+        f"{FAILURE_AFTER_FLAG}: keep pacing each user at its local share "
+        "(default), fail-open (stop limiting) or fail-closed (pause every paced "
+        "user).",
+    )
+    group.add_argument(
+        FAILURE_AFTER_FLAG,
+        type=_seconds_arg,
+        default=None,
+        metavar="SECONDS",
+        help="Seconds of store outage before the failure mode applies "
+        f"(default {DEFAULT_FAILURE_AFTER_S:g}).",
+    )
+    group.add_argument(
+        TIMEOUT_FLAG,
+        type=_timeout_arg,
+        default=None,
+        metavar="MS",
+        help="Longest a store call may take before it counts as a failure "
+        f"(default {DEFAULT_TIMEOUT_MS}).",
     )
 
 
@@ -563,6 +660,35 @@ _FLAGS = {
 }
 
 
+#: ``StoreSettings`` field -> its flag; the URL's flag turns the store on.
+_STORE_FLAGS = {
+    "password_file": PASSWORD_FILE_FLAG,
+    "failure_mode": FAILURE_MODE_FLAG,
+    "failure_after_s": FAILURE_AFTER_FLAG,
+    "timeout_ms": TIMEOUT_FLAG,
+}
+
+
+def _store_from_cli_args(args: argparse.Namespace) -> StoreSettings | None:
+    """The store's flags as settings (flags not given: their defaults); ``None``
+    without ``STORE_FLAG``, when any other store flag is an error."""
+    url = getattr(args, _dest(STORE_FLAG))
+    given = {
+        name: value
+        for name, flag in _STORE_FLAGS.items()
+        if (value := getattr(args, _dest(flag))) is not None
+    }
+    if url is None:
+        if given:
+            flag = _STORE_FLAGS[next(iter(given))]
+            raise SettingsError(f"{flag} needs {STORE_FLAG}")
+        return None
+    try:
+        return StoreSettings(url, **given)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
 def _fields(cls: type) -> set[str]:
     return {f.name for f in fields(cls)}
 
@@ -604,6 +730,39 @@ def _user_source_arg(raw: str) -> UserSource:
         return parse_user_source(raw, field="value")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _store_url_arg(raw: str) -> str:
+    try:
+        return validate_url(raw)
+    except ValueError as exc:  # the message never holds the URL
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _failure_mode_arg(raw: str) -> FailureMode:
+    try:
+        return parse_failure_mode(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds_arg(raw: str) -> float:
+    try:
+        return validate_failure_after(float(raw), field="value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a non-negative number of seconds, got {raw!r}"
+        ) from None
+
+
+def _timeout_arg(raw: str) -> int:
+    try:
+        return validate_timeout_ms(int(raw), field="value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of milliseconds in 1..{MAX_TIMEOUT_MS}, "
+            f"got {raw!r}"
+        ) from None
 
 
 def _json_arg(flag: str) -> Callable[[str], str]:

@@ -31,6 +31,7 @@ from pacing.settings import (
     ControlSettings,
     SettingsError,
 )
+from pacing.store_settings import PASSWORD_ENV, PASSWORD_FILE_FLAG, STORE_FLAG
 from tests.control_harness import make_rig
 
 register()
@@ -277,5 +278,108 @@ def test_a_bad_setting_ends_the_start_before_the_model_loads(
     assert cause in lines[-1]
     assert [line for line in lines if line.startswith("error:")] == [lines[-1]]
     output = completed.stdout + completed.stderr
+    assert "Traceback" not in output
+    assert not [line for line in MODEL_START_LINES if line in output]
+
+
+# -- the store's settings (issue 11) --------------------------------------------
+
+STORE_URL = "redis://127.0.0.1:6379/0"
+SECRET = "s3cret-Pa55"
+
+
+def test_the_hook_refuses_an_unreadable_store_password_file(tmp_path, capsys):
+    parser = make_arg_parser(FlexibleArgumentParser())
+    missing = tmp_path / "password"
+    args = parser.parse_args(
+        [
+            "m",
+            "--default-user-output-tokens-per-second",
+            "10",
+            STORE_FLAG,
+            STORE_URL,
+            PASSWORD_FILE_FLAG,
+            str(missing),
+        ]
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        AsyncEngineArgs.from_cli_args(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: {PASSWORD_FILE_FLAG} {missing}: No such file or directory\n"
+    )
+
+
+def test_the_hook_refuses_a_store_without_pacing(capsys):
+    # Unlike the control plane's flags, which pacing off ignores: a store asked
+    # for and silently not used would let each engine grant the whole limit.
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(["m", STORE_FLAG, STORE_URL])
+    with pytest.raises(SystemExit) as exit_info:
+        AsyncEngineArgs.from_cli_args(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {STORE_FLAG} needs --default-user-output-tokens-per-second"
+    )
+
+
+def test_the_store_password_is_read_where_it_connects_not_in_the_api_process(
+    tmp_path, monkeypatch
+):
+    # A readable file passes; the settings carry its path, and the variable's
+    # value is not looked at (the engine-core process reads it).
+    password = tmp_path / "password"
+    password.write_text(SECRET)
+    monkeypatch.setenv(PASSWORD_ENV, "other-" + SECRET)
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(
+        [
+            "m",
+            "--default-user-output-tokens-per-second",
+            "10",
+            STORE_FLAG,
+            STORE_URL,
+            PASSWORD_FILE_FLAG,
+            str(password),
+        ]
+    )
+    additional = AsyncEngineArgs.from_cli_args(args).additional_config
+    assert additional["output_rate"]["store"]["password_file"] == str(password)
+    assert SECRET not in repr(additional)
+
+
+@pytest.mark.parametrize("case", ["password in the URL", "missing password file"])
+def test_a_bad_store_setting_ends_the_start_before_the_model_loads(
+    tiny_model_dir, tmp_path, case
+):
+    store_args, expected = {
+        "password in the URL": (
+            [STORE_FLAG, f"redis://:{SECRET}@127.0.0.1:6379/0"],
+            f"argument {STORE_FLAG}: {STORE_FLAG} must not hold a password",
+        ),
+        "missing password file": (
+            [STORE_FLAG, STORE_URL, PASSWORD_FILE_FLAG, str(tmp_path / "password")],
+            f"error: {PASSWORD_FILE_FLAG} {tmp_path / 'password'}: No such file",
+        ),
+    }[case]
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine_ext.serve",
+            tiny_model_dir,
+            "--default-user-output-tokens-per-second",
+            "100",
+            *store_args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2
+    lines = completed.stderr.splitlines()
+    assert expected in lines[-1]
+    output = completed.stdout + completed.stderr
+    assert SECRET not in output  # not in an error, nor in vLLM's logged args
     assert "Traceback" not in output
     assert not [line for line in MODEL_START_LINES if line in output]

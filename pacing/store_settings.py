@@ -1,0 +1,256 @@
+"""The global store's settings (``--output-rate-store`` and its flags): where the
+Redis server is, how long a call may take, what an engine does once the store
+has been unreachable for a while, and where its password comes from.
+
+The password is never a setting: it would show in ``ps``, in vLLM's logged
+arguments and in ``additional_config`` (which vLLM logs too). A URL holding one
+is refused; the settings carry only the password file's *path*, and the process
+that connects reads the file, or else ``OUTPUT_RATE_STORE_PASSWORD`` from its
+environment (``password``). No Redis import here: the client side is ``store/``.
+
+Errors are ValueError naming the flag; ``pacing.settings`` turns them into its
+SettingsError. A message never echoes a URL, which may hold a password.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+STORE_FLAG = "--output-rate-store"
+PASSWORD_FILE_FLAG = "--output-rate-store-password-file"
+FAILURE_MODE_FLAG = "--output-rate-store-failure-mode"
+FAILURE_AFTER_FLAG = "--output-rate-store-failure-after"
+TIMEOUT_FLAG = "--output-rate-store-timeout-ms"
+
+#: Environment variable holding the store's password when no password file is
+#: given (read by the process that connects).
+PASSWORD_ENV = "OUTPUT_RATE_STORE_PASSWORD"
+
+#: Seconds of outage before the failure mode applies.
+DEFAULT_FAILURE_AFTER_S = 5.0
+#: One store call's timeout: the claimer would rather report a slow store than
+#: wait on it, and claims are sized for ~50 ms of consumption.
+DEFAULT_TIMEOUT_MS = 50
+#: Beyond a minute the store is down, not slow.
+MAX_TIMEOUT_MS = 60_000
+
+#: URL schemes redis-py's ``from_url`` takes.
+SCHEMES = ("redis", "rediss", "unix")
+#: Query options of the URL passed on to redis-py: the database (the only way
+#: to name one for ``unix://``) and, for ``rediss://``, the TLS files. Any other
+#: would override a setting of ours (redis-py lets the query win) or hold a
+#: secret.
+DB_OPTION = "db"
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+_NO_PASSWORD = (
+    f"must not hold a password (a command line shows in `ps` and in logs): use "
+    f"{PASSWORD_FILE_FLAG} PATH or the environment variable {PASSWORD_ENV}"
+)
+
+
+class FailureMode(str, enum.Enum):
+    """What an engine does once the store has been unreachable for
+    ``failure_after_s``. Before that, and from then on with the default, it
+    spends what it holds and then paces each user locally at ``R / N_live``."""
+
+    #: Go on pacing each user at its local share (the default).
+    KEEP_LOCAL_SHARE = "keep-local-share"
+    #: Stop limiting: every user runs unpaced until the store returns.
+    FAIL_OPEN = "fail-open"
+    #: Pause every paced user until the store returns.
+    FAIL_CLOSED = "fail-closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_failure_mode(raw: object, *, field: str = FAILURE_MODE_FLAG) -> FailureMode:
+    """``raw`` as a ``FailureMode``; ValueError naming ``field`` and the choices."""
+    if isinstance(raw, FailureMode):
+        return raw
+    if isinstance(raw, str):
+        try:
+            return FailureMode(raw.strip().lower())
+        except ValueError:
+            pass
+    choices = ", ".join(mode.value for mode in FailureMode)
+    raise ValueError(f"{field} must be one of {choices}, got {raw!r}")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The store's settings, validated; see the module docstring."""
+
+    url: str
+    password_file: str | None = None
+    failure_mode: FailureMode = FailureMode.KEEP_LOCAL_SHARE
+    failure_after_s: float = DEFAULT_FAILURE_AFTER_S
+    timeout_ms: int = DEFAULT_TIMEOUT_MS
+
+    def __post_init__(self) -> None:
+        validate_url(self.url)
+        if self.password_file is not None and (
+            not isinstance(self.password_file, str) or not self.password_file
+        ):
+            raise ValueError(f"{PASSWORD_FILE_FLAG} must be a non-empty path")
+        object.__setattr__(self, "failure_mode", parse_failure_mode(self.failure_mode))
+        validate_failure_after(self.failure_after_s)
+        validate_timeout_ms(self.timeout_ms)
+
+    @property
+    def timeout_s(self) -> float:
+        """``timeout_ms`` in seconds (what socket timeouts take)."""
+        return self.timeout_ms / 1000
+
+    @property
+    def tls_files(self) -> dict[str, str]:
+        """The URL's TLS file options (``ssl_ca_certs`` ...) and their paths."""
+        query = parse_qs(urlsplit(self.url).query, keep_blank_values=True)
+        return {name: query[name][0] for name in TLS_OPTIONS if name in query}
+
+    def password(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        """The password: the password file's content (surrounding whitespace
+        stripped), else ``environ[PASSWORD_ENV]``, else ``None`` (the server
+        asks for none). ValueError naming the flag for a file that cannot be
+        read or is empty."""
+        if self.password_file is not None:
+            try:
+                password = _read(self.password_file, PASSWORD_FILE_FLAG).decode()
+            except UnicodeDecodeError:
+                raise ValueError(
+                    f"{PASSWORD_FILE_FLAG} {self.password_file}: not UTF-8 text"
+                ) from None
+            password = password.strip()
+            if not password:
+                raise ValueError(f"{PASSWORD_FILE_FLAG} {self.password_file} is empty")
+            return password
+        return environ.get(PASSWORD_ENV) or None
+
+    def check_files(self) -> None:
+        """Reads every file the settings name (the password file and the URL's
+        TLS files), as the connecting process will: ValueError naming the flag
+        or option for the first that cannot be read. For the start-up checks,
+        so that a mistake ends the start instead of showing as a store outage."""
+        self.password(environ={})
+        for name, path in self.tls_files.items():
+            _read(path, f"{STORE_FLAG} option {name}")
+
+
+def validate_failure_after(value: object, *, field: str = FAILURE_AFTER_FLAG) -> float:
+    """Returns ``value`` if it is a finite, non-negative number of seconds (0:
+    the failure mode applies at the first failed call), else raises ValueError
+    naming ``field``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"{field} must be a non-negative number of seconds, got {value!r}"
+        )
+    return value
+
+
+def validate_timeout_ms(value: object, *, field: str = TIMEOUT_FLAG) -> int:
+    """Returns ``value`` if it is a whole number of milliseconds in
+    1..``MAX_TIMEOUT_MS``, else raises ValueError naming ``field``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_TIMEOUT_MS
+    ):
+        raise ValueError(
+            f"{field} must be a whole number of milliseconds in "
+            f"1..{MAX_TIMEOUT_MS}, got {value!r}"
+        )
+    return value
+
+
+def validate_url(url: object) -> str:
+    """Returns ``url`` if redis-py would connect with it to one server and
+    database, and nothing in it overrides our settings or holds a secret:
+
+    - ``redis://HOST[:PORT][/DB]``, ``rediss://...`` (TLS), or
+      ``unix:///PATH`` (database with ``?db=N``);
+    - a user name is fine (Redis ACLs), a password is not (``_NO_PASSWORD``);
+    - query options: ``db`` (not beside a database in the path), and with
+      ``rediss://`` the TLS files ``ssl_ca_certs``, ``ssl_certfile``,
+      ``ssl_keyfile``.
+
+    Raises ValueError naming ``STORE_FLAG``; the message never holds the URL."""
+    if not isinstance(url, str):
+        raise ValueError(f"{STORE_FLAG} must be a string, got {type(url).__name__}")
+    # redis-py checks the scheme as written, lower case.
+    scheme = next((s for s in SCHEMES if url.startswith(f"{s}://")), None)
+    if scheme is None:
+        raise ValueError(
+            f"{STORE_FLAG} must be a URL starting redis://, rediss:// (TLS) or "
+            "unix:// (a socket), like redis://127.0.0.1:6379/0"
+        )
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(
+            f"{STORE_FLAG} has a port that is no number in 0..65535"
+        ) from None
+    if parts.password is not None:
+        raise ValueError(f"{STORE_FLAG} {_NO_PASSWORD}")
+    try:
+        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise ValueError(f"{STORE_FLAG} has a malformed query string") from None
+    for name, values in query.items():
+        if name == "password":
+            raise ValueError(f"{STORE_FLAG} {_NO_PASSWORD}")
+        allowed = (DB_OPTION, *TLS_OPTIONS) if scheme == "rediss" else (DB_OPTION,)
+        if name not in allowed:
+            raise ValueError(
+                f"{STORE_FLAG}: option {name!r} is not taken here (with "
+                f"{scheme}:// only {', '.join(allowed)}; the timeout is "
+                f"{TIMEOUT_FLAG})"
+            )
+        if len(values) > 1 or not values[0]:
+            raise ValueError(f"{STORE_FLAG}: option {name!r} needs one value")
+    if DB_OPTION in query and not _DIGITS.fullmatch(query[DB_OPTION][0]):
+        raise ValueError(f"{STORE_FLAG}: db must be a database number")
+    if scheme == "unix":
+        if parts.hostname is not None or port is not None:
+            raise ValueError(
+                f"{STORE_FLAG}: a unix:// URL names no host, like unix:///run/redis.sock"
+            )
+        if len(parts.path) < 2:
+            raise ValueError(f"{STORE_FLAG}: a unix:// URL needs the socket's path")
+        return url
+    if not parts.hostname:
+        raise ValueError(f"{STORE_FLAG} needs a host, like redis://127.0.0.1:6379/0")
+    if port == 0:
+        raise ValueError(f"{STORE_FLAG} has port 0")
+    db = parts.path.removeprefix("/")
+    if db and not _DIGITS.fullmatch(db):
+        raise ValueError(
+            f"{STORE_FLAG}: the path must be a database number, like "
+            "redis://127.0.0.1:6379/0"
+        )
+    if db and DB_OPTION in query:
+        raise ValueError(f"{STORE_FLAG} names the database twice (path and ?db=)")
+    return url
+
+
+_DIGITS = re.compile("[0-9]+")
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror}") from None
