@@ -1,5 +1,6 @@
 """The wheel holds only what runs in production: ``pacing``, ``engine_ext``,
-``control`` and ``protos``, never the development tools, tests or benchmarks."""
+``control``, ``protos`` and ``store``, never the development tools, tests or
+benchmarks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNTIME_PACKAGES = {"pacing", "engine_ext", "control", "protos"}
+RUNTIME_PACKAGES = {"pacing", "engine_ext", "control", "protos", "store"}
 DEV_MODULES = {
     "demo",
     "tiny_model",

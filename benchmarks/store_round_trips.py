@@ -1,0 +1,165 @@
+"""Redis round trips per second per engine against the number of active users:
+engines with the real claimer (``store.claimer``) on a real ``redis-server`` on
+loopback, each driven by a simulated scheduler that spends from its balances.
+
+Each simulated engine steps every ``--step-ms``: under the shared lock it asks
+every user for ``--streams`` tokens (``take_up_to``, as the scheduler's paced
+step does) and pokes the claimer when a user starts wanting. Every user is
+limited to ``--rate`` tokens/s and wants far more (a stream per token per step),
+so every user is paced by the store: the worst case for round trips. Also shown:
+claims per second, tokens granted per second against the limit (``users * rate``
+over all engines), and how long a claimer pass holds the scheduler's lock.
+
+``python -m benchmarks.store_round_trips [--users 1,10,100,1000] [--engines 1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from collections.abc import Mapping
+
+from pacing.claims import ClaimedBalances, Request
+from pacing.limiter import OutputRateLimiter
+from store.claimer import Claimer
+from store.redis_store import Exchange, RedisStore, connect
+from tools.redis_server import redis_server
+
+
+class TimedLock:
+    """A lock that records how long each hold by the claimer thread lasted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.claimer_holds: list[float] = []
+        self._since = 0.0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._since = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.current_thread().name == "output-rate-claimer":
+            self.claimer_holds.append(time.perf_counter() - self._since)
+        self._lock.release()
+
+
+class CountingStore(RedisStore):
+    """The real store, counting claims and granted tokens."""
+
+    claims = 0
+    granted = 0
+
+    def exchange(
+        self,
+        claims: Mapping[str, Request],
+        returns: Mapping[str, Request],
+        heartbeat: tuple[str, int] | None = None,
+    ) -> Exchange:
+        answer = super().exchange(claims, returns, heartbeat)
+        self.claims += len(claims)
+        self.granted += sum(grant.granted for grant in answer.grants.values())
+        return answer
+
+
+class Engine:
+    """One simulated engine: balances, the claimer thread and a stepping loop."""
+
+    def __init__(
+        self, url: str, name: str, users: list[str], args: argparse.Namespace
+    ) -> None:
+        self.users = users
+        self.streams: int = args.streams
+        self.step_s: float = args.step_ms / 1000
+        self.lock = TimedLock()
+        self.balances = ClaimedBalances(OutputRateLimiter(args.rate, {}))
+        self.store = CountingStore(connect(url))
+        self.claimer = Claimer(
+            self.store, self.balances, self.lock, time.monotonic_ns, engine_id=name
+        )
+        self.steps = 0
+        self.step_seconds: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-steps")
+
+    def start(self) -> None:
+        self.claimer.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.claimer.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.step_s):
+            started = time.perf_counter()
+            with self.lock:
+                now_ns = time.monotonic_ns()
+                for user in self.users:
+                    self.balances.take_up_to(user, self.streams, now_ns)
+                poke = self.balances.wants_claims
+            if poke:
+                self.claimer.poke()
+            self.steps += 1
+            self.step_seconds.append(time.perf_counter() - started)
+
+
+def measure(url: str, users: int, args: argparse.Namespace) -> None:
+    names = [f"user-{i:05}" for i in range(users)]
+    engines = [Engine(url, f"engine-{e}", names, args) for e in range(args.engines)]
+    for engine in engines:
+        engine.start()
+    time.sleep(args.warm_up)
+    before = [(e.store.round_trips, e.store.claims, e.store.granted) for e in engines]
+    for engine in engines:
+        engine.lock.claimer_holds.clear()
+    time.sleep(args.seconds)
+    after = [(e.store.round_trips, e.store.claims, e.store.granted) for e in engines]
+    for engine in engines:
+        engine.stop()
+    per_engine = [
+        [(a - b) / args.seconds for a, b in zip(end, start, strict=True)]
+        for start, end in zip(before, after, strict=True)
+    ]
+    trips = statistics.mean(row[0] for row in per_engine)
+    claims = statistics.mean(row[1] for row in per_engine)
+    granted = sum(row[2] for row in per_engine)
+    holds = sorted(h * 1e6 for e in engines for h in e.lock.claimer_holds)
+    steps = sorted(s * 1e6 for e in engines for s in e.step_seconds)
+    print(
+        f"{users:>6} {trips:>12.0f} {claims:>11.0f} {claims / max(trips, 1):>10.1f}"
+        f" {granted:>10.0f} {users * args.rate:>8}"
+        f" {statistics.median(holds):>9.0f} {holds[int(0.99 * (len(holds) - 1))]:>9.0f}"
+        f" {statistics.median(steps):>9.0f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", default="1,10,100,1000")
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--rate", type=int, default=30, help="tokens/s per user")
+    parser.add_argument("--streams", type=int, default=2, help="per user and engine")
+    parser.add_argument("--step-ms", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--warm-up", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    print(
+        f"{args.engines} engine(s), {args.rate} tok/s per user, {args.streams} "
+        f"stream(s) per user and engine, a step every {args.step_ms} ms"
+    )
+    print(
+        f"{'users':>6} {'trips/s/eng':>12} {'claims/s/e':>11} {'per trip':>10}"
+        f" {'tok/s':>10} {'limit':>8} {'hold p50':>9} {'hold p99':>9}"
+        f" {'step p50':>9}   (holds and steps in us)"
+    )
+    with redis_server() as url:
+        for users in (int(n) for n in args.users.split(",")):
+            measure(url, users, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The claimer: a background thread that keeps an engine's local balances
+(``pacing.claims.ClaimedBalances``) filled from the store, so that the
+scheduling step never waits on the network.
+
+Each pass takes the owner's lock just long enough to ask the balances what to
+send (``plan``), releases it for the round trip (claims, returns and, every
+``heartbeat_ns``, this engine's heartbeat, all in one pipeline), then takes it
+again to hand the answers in (``landed``). A pass runs when poked (the scheduler
+saw a user start wanting: ``ClaimedBalances.wants_claims``) or every
+``period_s``. When a grant lands for a user the engine may be idle-waiting on,
+``wake`` ends that wait.
+
+A store that does not answer is recorded in the balances
+(``record_store_failure``; the claims in flight are marked failed, their
+returns dropped: tokens lost to everyone until the cell's debt decays, never
+double-spent); the next pass tries again. What the engine does meanwhile
+(spend what it holds, then the fallback share) is the scheduler's to decide
+from the balances' state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
+from typing import Any
+
+from pacing.claims import ClaimedBalances
+from pacing.limiter import NS_PER_S
+from store.redis_store import RedisStore, StoreError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PERIOD_S = 0.01
+DEFAULT_HEARTBEAT_NS = NS_PER_S
+#: A heartbeat lives for three periods: a lost one does not drop the engine.
+HEARTBEAT_LIFETIMES = 3
+
+
+class Claimer:
+    """Claims for ``balances`` from ``store``; see the module docstring.
+
+    ``lock`` is what the scheduler holds while it uses ``balances`` (the
+    facade's lock); ``clock`` is the engine's monotonic clock in nanoseconds.
+    """
+
+    def __init__(
+        self,
+        store: RedisStore,
+        balances: ClaimedBalances,
+        lock: AbstractContextManager[Any],
+        clock: Callable[[], int],
+        *,
+        engine_id: str,
+        wake: Callable[[], None] | None = None,
+        period_s: float = DEFAULT_PERIOD_S,
+        heartbeat_ns: int = DEFAULT_HEARTBEAT_NS,
+    ) -> None:
+        self._store = store
+        self._balances = balances
+        self._lock = lock
+        self._clock = clock
+        self._engine_id = engine_id
+        self._wake = wake
+        self._period_s = period_s
+        self._heartbeat_ns = heartbeat_ns
+        self._next_heartbeat_ns: int | None = None
+        self._poke = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Starts the claimer thread."""
+        self._thread = threading.Thread(
+            target=self._run, name="output-rate-claimer", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread, waits for it, and takes this engine off the live
+        count (best effort: the heartbeat runs out anyway)."""
+        self._stop.set()
+        self._poke.set()
+        if self._thread is not None:
+            self._thread.join()
+        with suppress(StoreError):
+            self._store.leave(self._engine_id)
+
+    def poke(self) -> None:
+        """Runs a pass now rather than at the next period (no I/O here: safe
+        from the scheduling step)."""
+        self._poke.set()
+
+    def run_once(self) -> None:
+        """One pass: plan, one round trip, hand the answers in."""
+        with self._lock:
+            now_ns = self._clock()
+            plan = self._balances.plan(now_ns)
+            beat = self._next_heartbeat_ns is None or now_ns >= self._next_heartbeat_ns
+        if not plan and not beat:
+            return
+        heartbeat = (
+            (self._engine_id, self._heartbeat_ns * HEARTBEAT_LIFETIMES)
+            if beat
+            else None
+        )
+        try:
+            answer = self._store.exchange(plan.claims, plan.returns, heartbeat)
+        except StoreError as error:
+            with self._lock:
+                if self._balances.store_down_since_ns is None:
+                    logger.warning("output-rate store unavailable: %s", error)
+                self._balances.claims_failed(plan.claims)
+                self._balances.record_store_failure(self._clock())
+            return
+        woke = False
+        with self._lock:
+            now_ns = self._clock()
+            if self._balances.store_down_since_ns is not None:
+                logger.warning("output-rate store available again")
+            self._balances.record_store_ok(answer.live_engines)
+            if beat:
+                self._next_heartbeat_ns = now_ns + self._heartbeat_ns
+            for user, grant in answer.grants.items():
+                self._balances.landed(user, grant.granted, grant.retry_after_ns, now_ns)
+                woke = woke or grant.granted > 0
+        if woke and self._wake is not None:
+            self._wake()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poke.wait(self._period_s)
+            self._poke.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.run_once()
+            except Exception:  # a bug here must not end the claims for good
+                logger.exception("output-rate claimer pass failed")

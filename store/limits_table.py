@@ -1,0 +1,105 @@
+"""The limits table in Redis: one JSON document with a version, replaced
+atomically by ``PUT``, which bumps the version and publishes it, so that every
+engine learns of a change at once (and, should a message be lost, from the
+version the next time it reads).
+
+The document holds the default rate and the whole ``pacing.limits.LimitTable``
+(user limits, tiers, memberships, exemptions); decoding checks it by the same
+rules as every other entry point, so a bad document is refused, never applied.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pacing.identity import validate_user
+from pacing.limits import LimitTable, validate_rate
+
+#: KEYS[1]: the limits hash. ARGV: the version the writer read ('' for any), the
+#: document, the channel to publish the new version on. Returns ``{1, new
+#: version}``, or ``{0, current version}`` when the writer's version is stale.
+PUT: Final = """
+local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= version then return {0, version} end
+version = version + 1
+redis.call('HSET', KEYS[1], 'version', version, 'document', ARGV[2])
+redis.call('PUBLISH', ARGV[3], version)
+return {1, version}
+"""
+
+_FIELDS = (
+    "default_rate",
+    "user_rates",
+    "tier_rates",
+    "memberships",
+    "exempt_users",
+    "exempt_tiers",
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A limits table as stored: the default rate (``None``: pacing off) and
+    the explicit entries."""
+
+    default_rate: int | None
+    table: LimitTable
+
+
+def encode(limits: Limits) -> str:
+    """``limits`` as the stored JSON document (keys sorted: equal tables give
+    equal documents)."""
+    table = limits.table
+    return json.dumps(
+        {
+            "default_rate": limits.default_rate,
+            "user_rates": table.user_rates,
+            "tier_rates": table.tier_rates,
+            "memberships": table.memberships,
+            "exempt_users": sorted(table.exempt_users),
+            "exempt_tiers": sorted(table.exempt_tiers),
+        },
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+
+
+def decode(document: str | bytes) -> Limits:
+    """The ``Limits`` a stored document holds; ValueError naming what is wrong
+    (the table's own rules, or a missing or unknown field)."""
+    try:
+        raw: Any = json.loads(document)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"limits document is not JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("limits document must be a JSON object")
+    missing = [name for name in _FIELDS if name not in raw]
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if missing or unknown:
+        raise ValueError(
+            f"limits document: missing fields {missing}, unknown fields {unknown}"
+        )
+    default = raw["default_rate"]
+    if default is not None:
+        validate_rate(default, field="default_rate")
+    for name, kind, json_name in (
+        ("user_rates", dict, "object"),
+        ("tier_rates", dict, "object"),
+        ("memberships", dict, "object"),
+        ("exempt_users", list, "array"),
+        ("exempt_tiers", list, "array"),
+    ):
+        if not isinstance(raw[name], kind):
+            raise ValueError(f"limits document: {name} must be a JSON {json_name}")
+    for user in (*raw["user_rates"], *raw["memberships"], *raw["exempt_users"]):
+        validate_user(user, field="limits document: a user id")
+    table = LimitTable(
+        raw["user_rates"],
+        raw["tier_rates"],
+        raw["memberships"],
+        raw["exempt_users"],
+        raw["exempt_tiers"],
+    )
+    return Limits(default, table)

@@ -1,0 +1,371 @@
+"""The Redis side of the global budget: a thin wrapper over a ``redis`` client
+that runs the store's scripts, many per round trip, and turns every failure
+into ``StoreError``.
+
+Key layout (``KeySpace``; ``output_rate`` is the default prefix):
+
+- ``output_rate:user:{alice}``: alice's GCRA cell (``store.cell``); the hash tag
+  is the user id, so a user's keys share a Redis Cluster slot;
+- ``{output_rate}:limits``: the limits table, a hash of ``version`` and
+  ``document`` (``store.limits_table``); changes are published on the channel
+  ``output_rate:limits``;
+- ``{output_rate}:engines``: live engines, a sorted set of engine ids scored by
+  when their heartbeat runs out (Redis time, ms).
+
+Scripts run by ``EVALSHA``; a server that does not know one (restarted, or
+flushed) gets them all loaded, then the calls that failed are run again (two
+more round trips).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+from redis.retry import Retry
+
+from pacing.claims import Request
+from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE
+from store import cell, limits_table
+from store.limits_table import Limits
+
+T = TypeVar("T")
+
+#: Socket timeouts: the claimer would rather report a slow store than wait on it.
+DEFAULT_TIMEOUT_S = 0.05
+
+#: KEYS[1]: the engines' sorted set. ARGV: engine id, heartbeat lifetime (ms).
+#: Drops the engines whose heartbeat ran out, renews this one and returns how
+#: many are live. The set itself expires with the last heartbeat.
+HEARTBEAT: Final = """
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%.0f', now_ms))
+redis.call('ZADD', KEYS[1], string.format('%.0f', now_ms + ttl), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], string.format('%.0f', ttl))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+class StoreError(Exception):
+    """The store did not serve a call: unreachable, too slow (a timeout) or
+    refusing (a Redis error reply)."""
+
+
+class StaleLimits(Exception):
+    """A limits write named a version that is no longer the current one."""
+
+    def __init__(self, current: int) -> None:
+        super().__init__(f"the limits table is at version {current}")
+        self.current = current
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The names of the store's keys and channel, under ``prefix``."""
+
+    prefix: str = "output_rate"
+
+    def __post_init__(self) -> None:
+        if not self.prefix or "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(
+                f"key prefix must be non-empty and hold no braces, got {self.prefix!r}"
+            )
+
+    def cell(self, user: str) -> str:
+        return f"{self.prefix}:user:{{{user}}}"
+
+    @property
+    def limits(self) -> str:
+        return f"{{{self.prefix}}}:limits"
+
+    @property
+    def engines(self) -> str:
+        return f"{{{self.prefix}}}:engines"
+
+    @property
+    def limits_channel(self) -> str:
+        return f"{self.prefix}:limits"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A claim's answer."""
+
+    granted: int
+    available: int  #: what the cell could still grant at once after it
+    debt: int  #: the cell's debt after it, in micro-tokens (``store.cell``)
+    server_time_us: int  #: Redis time the cell was read at
+    #: 0 when ``available`` > 0, else how long until the cell grants again
+    retry_after_ns: int
+
+
+@dataclass(frozen=True)
+class Returned:
+    """A return's answer."""
+
+    debt: int  #: the cell's debt after it, in micro-tokens
+    server_time_us: int  #: Redis time the cell was changed at
+
+
+@dataclass
+class Exchange:
+    """One round trip's answers: a grant per claim, the cell after each return,
+    and the live engines' count when a heartbeat went along."""
+
+    grants: dict[str, Grant] = field(default_factory=dict)
+    returned: dict[str, Returned] = field(default_factory=dict)
+    live_engines: int | None = None
+
+
+class _Script:
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+_CLAIM = _Script(cell.CLAIM)
+_RETURN = _Script(cell.RETURN)
+_PUT_LIMITS = _Script(limits_table.PUT)
+_HEARTBEAT = _Script(HEARTBEAT)
+_SCRIPTS = (_CLAIM, _RETURN, _PUT_LIMITS, _HEARTBEAT)
+
+_Call = tuple[_Script, Sequence[str], Sequence[str | int]]
+
+
+def connect(
+    url: str, *, password: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> redis.Redis:
+    """A client for ``url`` (``redis://HOST:PORT/DB``, or ``rediss://`` for TLS)
+    whose every call fails after ``timeout_s`` instead of waiting, and is never
+    retried by the client (the claimer tries again on its next pass). The
+    password comes apart from the URL, so it need not appear on a command
+    line."""
+    return redis.Redis.from_url(
+        url,
+        password=password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+class RedisStore:
+    """The store's operations over one ``redis`` client (thread-safe as the
+    client is: its connection pool hands each call its own connection).
+
+    ``tolerance_ns`` is the cells' delay variation tolerance (the burst);
+    every engine of one deployment must use the same.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        keys: KeySpace | None = None,
+        tolerance_ns: int = DEFAULT_BURST_NS,
+    ) -> None:
+        if tolerance_ns < 0 or tolerance_ns % 1000:
+            raise ValueError(
+                "tolerance_ns must be a non-negative whole number of "
+                f"microseconds, got {tolerance_ns}"
+            )
+        self._client = client
+        self.keys = keys or KeySpace()
+        self._tolerance_us = tolerance_ns // 1000
+        #: Round trips made (a batch is one, loading scripts one more).
+        self.round_trips = 0
+
+    # -- the cells -------------------------------------------------------------
+
+    def exchange(
+        self,
+        claims: Mapping[str, Request],
+        returns: Mapping[str, Request],
+        heartbeat: tuple[str, int] | None = None,
+    ) -> Exchange:
+        """Claims and returns tokens for many users in one round trip, with the
+        heartbeat ``(engine id, lifetime ns)`` when given. Raises StoreError
+        when any of it failed (the claims' tokens may or may not have been
+        granted: the caller treats them as lost)."""
+        for request in (*claims.values(), *returns.values()):
+            if request.tokens < 0 or not 1 <= request.rate <= MAX_RATE:
+                raise ValueError(
+                    f"need tokens >= 0 and rate in 1..{MAX_RATE}: {request}"
+                )
+        calls: list[_Call] = []
+        for user, request in claims.items():
+            calls.append(
+                (
+                    _CLAIM,
+                    [self.keys.cell(user)],
+                    [request.tokens, request.rate, self._tolerance_us],
+                )
+            )
+        for user, request in returns.items():
+            calls.append(
+                (_RETURN, [self.keys.cell(user)], [request.tokens, request.rate])
+            )
+        if heartbeat is not None:
+            engine, lifetime_ns = heartbeat
+            calls.append(
+                (_HEARTBEAT, [self.keys.engines], [engine, -(-lifetime_ns // 10**6)])
+            )
+        results = iter(self._run(calls))
+        answer = Exchange()
+        for user, request in claims.items():
+            granted, available, debt, now_s, now_us = next(results)
+            answer.grants[user] = Grant(
+                granted=granted,
+                available=available,
+                debt=debt,
+                server_time_us=now_s * 10**6 + now_us,
+                retry_after_ns=cell.retry_after_ns(
+                    available, debt, request.rate, self._tolerance_us
+                ),
+            )
+        for user in returns:
+            debt, now_s, now_us = next(results)
+            answer.returned[user] = Returned(debt, now_s * 10**6 + now_us)
+        if heartbeat is not None:
+            answer.live_engines = next(results)
+        return answer
+
+    def claim(self, user: str, tokens: int, rate: int) -> Grant:
+        """Claims up to ``tokens`` for ``user`` limited to ``rate`` tokens/s."""
+        return self.exchange({user: Request(tokens, rate)}, {}).grants[user]
+
+    def peek(self, user: str, rate: int) -> Grant:
+        """Reads ``user``'s cell (a claim of 0 tokens)."""
+        return self.claim(user, 0, rate)
+
+    def give_back(self, user: str, tokens: int, rate: int) -> Returned:
+        """Returns ``tokens`` of ``user``'s to its cell."""
+        return self.exchange({}, {user: Request(tokens, rate)}).returned[user]
+
+    # -- engines -----------------------------------------------------------------
+
+    def heartbeat(self, engine: str, lifetime_ns: int) -> int:
+        """Marks ``engine`` live for ``lifetime_ns``; how many engines are live."""
+        live = self.exchange({}, {}, (engine, lifetime_ns)).live_engines
+        assert live is not None  # a heartbeat always answers with the count
+        return live
+
+    def leave(self, engine: str) -> None:
+        """Marks ``engine`` gone at once (a clean shutdown)."""
+        self._call(lambda: self._client.zrem(self.keys.engines, engine))
+
+    # -- the limits table ----------------------------------------------------------
+
+    def read_limits(self) -> tuple[int, Limits] | None:
+        """The stored limits table and its version; ``None`` when there is none.
+        Raises ValueError for a document that breaks the table's rules."""
+        version, document = self._call(
+            lambda: self._client.hmget(self.keys.limits, "version", "document")
+        )
+        if version is None or document is None:
+            return None
+        return int(version), limits_table.decode(document)
+
+    def write_limits(self, limits: Limits, expected_version: int | None) -> int:
+        """Replaces the limits table and publishes the new version, which it
+        returns. With ``expected_version``, only if that is still the current
+        one (else StaleLimits, carrying the current version)."""
+        expected = "" if expected_version is None else str(expected_version)
+        (result,) = self._run(
+            [
+                (
+                    _PUT_LIMITS,
+                    [self.keys.limits],
+                    [expected, limits_table.encode(limits), self.keys.limits_channel],
+                )
+            ]
+        )
+        written, version = result
+        if not written:
+            raise StaleLimits(version)
+        return int(version)
+
+    def subscribe_limits(self) -> LimitsSubscription:
+        """A subscription to the limits table's new versions."""
+        return self._call(
+            lambda: LimitsSubscription(self._client, self.keys.limits_channel)
+        )
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _call(self, call: Callable[[], T]) -> T:
+        try:
+            result = call()
+        except RedisError as error:
+            raise StoreError(f"{type(error).__name__}: {error}") from error
+        self.round_trips += 1
+        return result
+
+    def _run(self, calls: Sequence[_Call]) -> list[Any]:
+        """Runs the script calls in one round trip, in order; loads the scripts
+        the server does not know and runs their calls again."""
+        results = self._call(lambda: self._pipeline(calls))
+        missing = [
+            i for i, result in enumerate(results) if isinstance(result, NoScriptError)
+        ]
+        if missing:
+            self._call(self._load_scripts)
+            again = self._call(lambda: self._pipeline([calls[i] for i in missing]))
+            for i, result in zip(missing, again, strict=True):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise StoreError(f"{type(result).__name__}: {result}") from result
+        return results
+
+    def _load_scripts(self) -> None:
+        """Loads every script (one round trip): a server that forgot one has
+        forgotten them all."""
+        pipe = self._client.pipeline(transaction=False)
+        for script in _SCRIPTS:
+            pipe.script_load(script.source)
+        pipe.execute()
+
+    def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results: list[Any] = pipe.execute(raise_on_error=False)
+        return results
+
+
+class LimitsSubscription:
+    """New versions of the limits table, as published by ``write_limits``."""
+
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        # redis-py leaves pubsub() unannotated.
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self._pubsub.subscribe(channel)
+
+    def next_version(self, timeout_s: float) -> int | None:
+        """The next published version, or ``None`` after ``timeout_s`` without
+        one. Raises StoreError when the connection failed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # None also for the subscription's own confirmation: read on.
+            try:
+                message = self._pubsub.get_message(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
+            except RedisError as error:
+                raise StoreError(f"{type(error).__name__}: {error}") from error
+            if message is not None:
+                return int(message["data"])
+            if time.monotonic() >= deadline:
+                return None
+
+    def close(self) -> None:
+        self._pubsub.close()

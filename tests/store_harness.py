@@ -1,0 +1,34 @@
+"""Fixtures for the store's tests: the same tests run on ``fakeredis`` and on a
+real ``redis-server`` (started once per session on a free loopback port, no
+persistence, stopped at the end)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+
+from store.redis_store import connect
+from tools.redis_server import redis_server
+
+BACKENDS = ("fakeredis", "redis-server")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(params=BACKENDS)
+def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    """An empty database on each backend."""
+    if request.param == "fakeredis":
+        yield fakeredis.FakeRedis(server=fakeredis.FakeServer())
+        return
+    real = connect(request.getfixturevalue("redis_url"), timeout_s=5.0)
+    real.flushdb()
+    yield real
+    real.close()
