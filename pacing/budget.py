@@ -22,8 +22,11 @@ from typing import Protocol
 class BudgetSource(Protocol):
     """What the scheduler spends from; all times are monotonic nanoseconds."""
 
-    #: Bumped whenever a user's budget may have shrunk other than by a take.
-    limit_changes: int
+    @property
+    def limit_changes(self) -> int:
+        """Bumped whenever a user's budget may have shrunk other than by a take
+        (read-only here: a source may compute it, as ``ClaimedBalances`` does)."""
+        ...
 
     def take_up_to(self, user: str, most: int, now_ns: int) -> tuple[int, int]:
         """Takes up to ``most`` tokens; returns ``(taken, still available)``."""

@@ -29,8 +29,8 @@ below 2**53 (a debt is at most ``tau`` plus one burst, about 2 * 10**11 at
 ``MAX_RATE`` and 100 ms), except ``elapsed * rate`` after a long idle time,
 which is then only compared with the debt and clamped to 0.
 
-Over-grant bound. Let R be the rate, tau the tolerance in seconds, D(t) the debt
-in tokens at t, O(t) the tokens claimed but neither spent nor returned at t (in
+Over-grant bound. Let R be the rate (one rate through the window), tau the
+tolerance in seconds, times on Redis' clock, D(t) the debt in tokens at t, O(t) the tokens claimed but neither spent nor returned at t (in
 engines' balances, waiting to be returned, or granted and still on the way),
 and, over a window (a, b] of W = b - a seconds, E the tokens emitted, G the
 tokens granted and Ret the tokens returned.
@@ -51,13 +51,18 @@ The store's tolerance is the single-engine burst, tau = 100 ms
 (``DEFAULT_BURST_NS``), so the global bound is the single-engine GCRA bound
 ``(W + 0.1)*R + 1`` plus the outstanding tokens that the cell's debt no longer
 counts, ``O(a) - D(a)``; as D >= 0, that implies the issue's form
-``(W + 0.1)*R + 1 + O(a)``. While a user is paced at its limit the extra term is
-0, and the bound is exactly the single-engine one: the user's debt is then close
-to tau*R (every grant brings it back there), while the engines hold together
-about one claim horizon (50 ms) of its consumption, less than the 100 ms the debt
-counts. It is positive only for tokens held longer than the debt remembers them
-(a balance claimed while the user was slow), and never for longer than the lease
-(1 s) after they landed, when they expire back to the cell.
+``(W + 0.1)*R + 1 + O(a)``. The extra term is 0, and the bound exactly the
+single-engine one, whenever the engines together hold no more than the cell's
+debt. That is the steady state of a user paced at its limit: every grant brings
+its debt back to about tau*R (100 ms of tokens), while the engines hold about one
+claim horizon (50 ms) of its consumption between them, and at least a token each
+while they hold any (so tau*R must be well above the number of engines; at 10
+tok/s, tau*R is one token). The term is positive for tokens held longer than the
+debt remembers them (claimed while the user was slow, then left unspent), and
+bounded by what the engines hold: an engine claims again only when down to half
+a claim, a claim is at most a burst (tau*R + 1), and unspent tokens go back to
+the cell when their lease ends (1 s after they landed) or the user's last
+request on the engine does.
 
 A Redis failover that loses the last ``lag`` seconds of writes forgets the grants
 of those seconds, at most ``(lag + tau)*R + 1`` tokens by the same argument: each
