@@ -30,7 +30,8 @@ below 2**53 (a debt is at most ``tau`` plus one burst, about 2 * 10**11 at
 which is then only compared with the debt and clamped to 0.
 
 Over-grant bound. Let R be the rate (one rate through the window), tau the
-tolerance in seconds, times on Redis' clock, D(t) the debt in tokens at t, O(t) the tokens claimed but neither spent nor returned at t (in
+tolerance in seconds, times on Redis' clock, D(t) the debt in tokens at t,
+O(t) the tokens claimed but neither spent nor returned at t (in
 engines' balances, waiting to be returned, or granted and still on the way),
 and, over a window (a, b] of W = b - a seconds, E the tokens emitted, G the
 tokens granted and Ret the tokens returned.
