@@ -213,6 +213,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self._user_of: dict[str, str] = {}
         #: user -> its live requests: the most it can be charged in one step.
         self._live: dict[str, int] = {}
+        #: Users whose last live request ended since the last step: told to the
+        #: budget source under the lock (requests end outside it).
+        self._ended: list[str] = []
         self._last_served: dict[str, str] = {}  # user -> request id
         #: Users that may have no budget at the next step's start; while none
         #: may (and no limit changed), a step leaves ``running`` as it is.
@@ -327,6 +330,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 del self._live[user]
                 self._headroom.pop(user, None)
                 self._constrained.discard(user)
+                if self.limiter.enabled:
+                    self._ended.append(user)
         self._yielded.discard(request.request_id)
         throttling = self._throttling.pop(request.request_id, None)
         if throttling is not None:
@@ -422,6 +427,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_shared.set_wake(wake)
 
     def _paced_schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        if self._ended:
+            self._end_users(self.clock())
         mode = self.output_rate_shared.mode
         if mode is Mode.OFF:
             return self._unpaced_step(*args, **kwargs)
@@ -788,8 +795,20 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         """Drops idle users if due; for the engine thread between steps."""
         with self.output_rate_shared.lock:
             now_ns = self.clock()
+            if self._ended:
+                self._end_users(now_ns)
             if self.cleanup_due(now_ns):
                 self._cleanup_idle_users(now_ns)
+
+    def _end_users(self, now_ns: int) -> None:
+        """Tells the budget source of the users whose last request ended (with a
+        store, their balance goes back for other engines to use); the shared
+        limiter's lock is held."""
+        ended, self._ended = self._ended, []
+        budget = self.budget
+        for user in ended:
+            if user not in self._live:  # not back since
+                budget.end_user(user, now_ns)
 
     def _cleanup_idle_users(self, now_ns: int) -> None:
         """Forgets users with no live request whose bucket is full (the shared

@@ -45,6 +45,11 @@ class BudgetSource(Protocol):
         """How many tokens ``user`` may take at ``now_ns``; changes nothing."""
         ...
 
+    def end_user(self, user: str, now_ns: int) -> None:
+        """``user``'s last request on this engine ended (what it holds here
+        may go back where it came from)."""
+        ...
+
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """The earliest time, not before ``now_ns``, at which ``user`` may be
         able to take a token (a source that learns of new budget by other means,

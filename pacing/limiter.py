@@ -267,6 +267,10 @@ class OutputRateLimiter:
         cell = self._cell(user, rate, now_ns)
         cell.scaled_tat = max(cell.scaled_tat - count * NS_PER_S, now_ns * rate)
 
+    def end_user(self, user: str, now_ns: int) -> None:
+        """Nothing to give back: a user's cell belongs to no request (idle users
+        are forgotten by ``cleanup_idle_users``). For ``pacing.budget``."""
+
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         """The earliest time, not before ``now_ns``, at which ``try_take(user)``
         succeeds: ``TAT - burst`` rounded up to the next whole nanosecond."""

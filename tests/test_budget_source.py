@@ -19,6 +19,7 @@ class Balances:
     def __init__(self, balances: Mapping[str, int]) -> None:
         self.balances = dict(balances)
         self.limit_changes = 0
+        self.ended: list[str] = []
         self.lowest = min(self.balances.values())
 
     def deposit(self, user: str, count: int) -> None:
@@ -48,6 +49,9 @@ class Balances:
 
     def ready_at_ns(self, user: str, now_ns: int) -> int:
         return now_ns + 1_000_000_000  # told by other means (a claim landing)
+
+    def end_user(self, user: str, now_ns: int) -> None:
+        self.ended.append(user)
 
 
 def _scheduler_with(tiny_model_dir, async_scheduling, source: Balances):
@@ -105,3 +109,20 @@ def test_why_a_shrink_must_be_announced(tiny_model_dir, async_scheduling):
     source.balances["u"] = 0
     _sampled_over(driver, 3)
     assert source.lowest < 0
+
+
+@MODES
+def test_the_source_learns_when_a_users_last_request_ends(
+    tiny_model_dir, async_scheduling
+):
+    # With a store, that is when the user's balance goes back for other engines.
+    source = Balances({"short": 100, "long": 100})
+    _, driver = _scheduler_with(tiny_model_dir, async_scheduling, source)
+    driver.add([make_request("short", max_tokens=3)])
+    driver.add(
+        [make_request("long", max_tokens=3), make_request("long", max_tokens=200)]
+    )
+    for _ in range(12):
+        driver.step()
+    # "long" still has a request running: only "short" ended, and only once.
+    assert source.ended == ["short"]

@@ -90,9 +90,10 @@ def test_wheel_holds_every_runtime_module(wheel_names: list[str]) -> None:
     assert source <= set(wheel_names), sorted(source - set(wheel_names))
 
 
-def test_wheel_declares_both_plugin_entry_points(wheel: Path) -> None:
-    """vLLM loads the adapter and the control plane each from its own entry point
-    (README, "Layout"): without the second, no control plane ever starts."""
+def test_wheel_declares_every_plugin_entry_point(wheel: Path) -> None:
+    """vLLM loads the adapter, the control plane and the store each from its own
+    entry point (README, "Layout"): without the second no control plane ever
+    starts, without the third no store is ever used."""
     with zipfile.ZipFile(wheel) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith("/entry_points.txt")]
         entry_points = configparser.ConfigParser()
@@ -100,4 +101,5 @@ def test_wheel_declares_both_plugin_entry_points(wheel: Path) -> None:
     assert dict(entry_points["vllm.general_plugins"]) == {
         "output_rate": "engine_ext.plugin:register",
         "output_rate_control": "control.plugin:register",
+        "output_rate_store": "store.plugin:register",
     }

@@ -1,0 +1,76 @@
+"""What runs in an engine-core process with a store: the claimed balances as
+the scheduler's budget (``pacing.store_budget``) and the claimer thread that
+fills them. Started by ``store.plugin``; stopped at the scheduler's shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+from pacing.claims import ClaimedBalances
+from pacing.limiter import NS_PER_S
+from pacing.shared import SharedLimiter
+from pacing.store_budget import StoreBudget
+from pacing.store_settings import StoreSettings
+from store.claimer import Claimer
+from store.redis_store import RedisStore, connect
+
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+class RunningStore:
+    """The store's part of one engine: its budget and its claimer."""
+
+    def __init__(self, shared: SharedLimiter, budget: StoreBudget, claimer: Claimer):
+        self.shared = shared
+        self.budget = budget
+        self.claimer = claimer
+
+    def stop(self) -> None:
+        """Stops claiming; the engine is taken off the live count."""
+        self.claimer.stop()
+
+
+def engine_id() -> str:
+    """Unique among the engines of a deployment, readable in Redis: host, pid
+    and a random suffix (a restarted engine is a new one)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
+    """Connects (no round trip yet: an unreachable store is the claimer's
+    degraded mode, not a failed start), makes the claimed balances what the
+    scheduler spends and starts the claimer."""
+    client = connect(
+        settings.url, password=settings.password(), timeout_s=settings.timeout_s
+    )
+    store = RedisStore(client, tolerance_ns=shared.limiter.burst_ns)
+    balances = ClaimedBalances(shared.limiter)
+    budget = StoreBudget(
+        balances,
+        shared.limiter,
+        shared.clock,
+        failure_mode=settings.failure_mode,
+        failure_after_ns=round(settings.failure_after_s * NS_PER_S),
+    )
+    with shared.lock:
+        shared.use_budget(budget)
+    claimer = Claimer(
+        store,
+        balances,
+        shared.lock,
+        shared.clock,
+        engine_id=engine_id(),
+        wake=shared.wake,
+    )
+    claimer.start()
+    logger.info(
+        "output-rate store: claiming from %s (failure mode %s after %.1f s)",
+        settings.url,
+        settings.failure_mode.value,
+        settings.failure_after_s,
+    )
+    return RunningStore(shared, budget, claimer)
