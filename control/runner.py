@@ -74,13 +74,20 @@ def serve(
     mode: Mode | None = None,
     tracer_provider: trace.TracerProvider | None = None,
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+    global_store: bool = False,
 ) -> ControlPlane:
     """Loads the config file into ``shared``'s limiter and mode (the limiter's
     current table and ``mode``, by default ``shared``'s, count as the flags),
     starts the server on ``settings.address``, marks it SERVING and hands its
     counters to ``shared`` for the metrics. Raises on a bad config file, bad TLS
     or token files, or an address it may not or cannot bind; nothing keeps
-    running then."""
+    running then.
+
+    With ``global_store`` the table lives in the store (``store.limits_sync``,
+    started after this): the file only gives the start-up table, which seeds
+    a store that has none; changes go to the store, not the file, and the file
+    is not watched (an edit on one engine would make it differ from the
+    others)."""
     with shared.lock:
         flags = TableDocument(
             default_rate=shared.limiter.default_rate,
@@ -92,11 +99,15 @@ def serve(
             mode=shared.mode if mode is None else mode,
         )
     file = None if settings.config_path is None else ConfigFile(settings.config_path)
-    service = LimitsService(shared, persist=None if file is None else file.write)
+    service = LimitsService(
+        shared,
+        persist=None if file is None or global_store else file.write,
+        global_store=global_store,
+    )
     start_table = flags if file is None else load_at_start(file, flags)
     service.reload(lambda: start_table)
     watcher = None
-    if file is not None:
+    if file is not None and not global_store:
         watcher = ConfigWatcher(file, service, flags, interval_s=poll_interval_s)
     server, port = create_server(
         settings.address,
@@ -118,9 +129,15 @@ def serve(
 
 
 def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:
-    """``serve`` with ``settings.control`` and the start-up mode of ``settings``;
-    ``None`` when the settings ask for no control plane: no ``control`` section
-    (an offline ``LLM`` without one) or address ``off``."""
+    """``serve`` with ``settings.control``, the start-up mode of ``settings``
+    and, with ``--output-rate-store``, the table in the store; ``None`` when the
+    settings ask for no control plane: no ``control`` section (an offline
+    ``LLM`` without one) or address ``off``."""
     if settings.control is None or not settings.control.enabled:
         return None
-    return serve(shared, settings.control, mode=settings.mode)
+    return serve(
+        shared,
+        settings.control,
+        mode=settings.mode,
+        global_store=settings.store is not None,
+    )

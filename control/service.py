@@ -11,6 +11,15 @@ change: validate against the current table, write the whole new table and mode
 limiter) and bump the etag under the shared limiter's lock, then ``wake()`` the
 engine. A failed write applies nothing.
 
+The change lock is the engine's ``pacing.global_limits`` hub lock. With a
+global store (``--output-rate-store``) the store takes the file's place: the
+whole new table and mode are published through the hub's backend
+(compare-and-set against the version this engine holds) before they are
+applied here. Another engine's change that came first answers ABORTED (this
+engine has applied it: read again and retry); a store that does not answer, or
+no backend yet, answers UNAVAILABLE and applies nothing. A table another engine
+published and this engine applied moves the table etag, as a local change does.
+
 A user's *entry* (``Limit``) is what the table holds for it: its own limit, its
 tier, its exemption, any of them; a *tier* exists while it has a rate or an
 exemption. Both carry an etag computed from their fields; the table's etag moves
@@ -23,7 +32,6 @@ import dataclasses
 import hashlib
 import heapq
 import secrets
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +59,7 @@ from control.table import (
     check_user,
     shown,
 )
+from pacing import global_limits
 from pacing.limiter import LimitSource, OutputRateLimiter
 from pacing.modes import Mode
 from pacing.shared import COLUMNS, Reading, SharedLimiter, UserSnapshot
@@ -173,7 +182,9 @@ class LimitsService:
 
     ``persist``, when given, durably stores a whole new table (with the mode)
     before it is applied (raises OSError on failure). ``page_tokens`` signs page
-    tokens (a fresh random key by default).
+    tokens (a fresh random key by default). ``global_store``: a store holds the
+    table (module docstring); changes are refused until its backend is
+    registered.
     """
 
     def __init__(
@@ -182,11 +193,15 @@ class LimitsService:
         *,
         persist: Callable[[TableDocument], None] | None = None,
         page_tokens: PageTokens | None = None,
+        global_store: bool = False,
     ) -> None:
         self._shared = shared
         self._persist = persist
         self._tokens = page_tokens or PageTokens()
-        self._changes = threading.Lock()
+        self._hub = global_limits.hub(shared)
+        self._global_store = global_store
+        self._changes = self._hub.lock
+        self._hub.on_table_change(self._changed_elsewhere)
         # The etag: random per process, so an etag from before a restart never
         # matches, plus a generation bumped with every change under shared.lock.
         self._epoch = secrets.token_hex(4)
@@ -653,7 +668,8 @@ class LimitsService:
         """How many new tables were committed: one per successful write RPC of
         the table (even one that leaves it as it was; not a mode change) and one
         per load of the config file that changed the table, the load at start-up
-        included."""
+        included, and, with a global store, one per table from another engine
+        applied here."""
         return self._generation
 
     def _current(self) -> TableDocument:
@@ -845,7 +861,10 @@ class LimitsService:
     ) -> str:
         """Persists ``doc`` (the whole new table and mode), applies it and
         announces it; returns the table's etag. Requires self._changes."""
-        if self._persist is not None:
+        backend = self._hub.backend
+        if backend is not None or self._global_store:
+            self._publish(backend, doc)
+        elif self._persist is not None:
             try:
                 self._persist(doc)
             except OSError as exc:
@@ -855,6 +874,33 @@ class LimitsService:
         etag = self._apply(doc, apply, table=table)
         self._shared.wake()
         return etag
+
+    def _publish(
+        self, backend: global_limits.LimitsBackend | None, doc: TableDocument
+    ) -> None:
+        """Makes ``doc`` every engine's through the store. Requires
+        self._changes (the hub's lock)."""
+        if backend is None:
+            raise Unavailable(
+                "the change was not applied: the limits store is not connected yet"
+            )
+        assert doc.mode is not None  # _current always reads the mode
+        try:
+            backend.publish(doc.default_rate, doc.limit_table(), doc.mode)
+        except global_limits.LimitsConflict:
+            raise Aborted(
+                "the limits table was changed through another engine since this "
+                "engine read it; it is applied here now: read it again and retry"
+            ) from None
+        except global_limits.LimitsUnavailable as exc:
+            raise Unavailable(
+                f"the change was not applied: the limits store did not take it: {exc}"
+            ) from None
+
+    def _changed_elsewhere(self) -> None:
+        """A table from another engine was applied: the table etag moves.
+        Called with shared.lock held."""
+        self._generation += 1
 
     def _apply(self, doc: TableDocument, apply: _Apply | None, *, table: bool) -> str:
         """Runs ``apply`` on the limiter, makes ``doc.mode`` the mode and, for a

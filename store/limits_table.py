@@ -3,9 +3,10 @@ atomically by ``PUT``, which bumps the version and publishes it, so that every
 engine learns of a change at once (and, should a message be lost, from the
 version the next time it reads).
 
-The document holds the default rate and the whole ``pacing.limits.LimitTable``
-(user limits, tiers, memberships, exemptions); decoding checks it by the same
-rules as every other entry point, so a bad document is refused, never applied.
+The document holds the default rate, the whole ``pacing.limits.LimitTable``
+(user limits, tiers, memberships, exemptions) and the pacing mode (the fleet's
+kill switch is one switch); decoding checks it by the same rules as every other
+entry point, so a bad document is refused, never applied.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Final
 
 from pacing.identity import validate_user
 from pacing.limits import LimitTable, validate_rate
+from pacing.modes import Mode, parse_mode
 
 #: KEYS[1]: the limits hash. ARGV: the version the writer read ('' for any), the
 #: document, the channel to publish the new version on. Returns ``{1, new
@@ -36,16 +38,18 @@ _FIELDS = (
     "memberships",
     "exempt_users",
     "exempt_tiers",
+    "mode",
 )
 
 
 @dataclass(frozen=True)
 class Limits:
-    """A limits table as stored: the default rate (``None``: pacing off) and
-    the explicit entries."""
+    """A limits table as stored: the default rate (``None``: pacing off), the
+    explicit entries and the pacing mode."""
 
     default_rate: int | None
     table: LimitTable
+    mode: Mode = Mode.ENFORCE
 
 
 def encode(limits: Limits) -> str:
@@ -60,6 +64,7 @@ def encode(limits: Limits) -> str:
             "memberships": table.memberships,
             "exempt_users": sorted(table.exempt_users),
             "exempt_tiers": sorted(table.exempt_tiers),
+            "mode": limits.mode.value,
         },
         sort_keys=True,
         ensure_ascii=False,
@@ -93,6 +98,7 @@ def decode(document: str | bytes) -> Limits:
     ):
         if not isinstance(raw[name], kind):
             raise ValueError(f"limits document: {name} must be a JSON {json_name}")
+    mode = parse_mode(raw["mode"], field="limits document: mode")
     for user in (*raw["user_rates"], *raw["memberships"], *raw["exempt_users"]):
         validate_user(user, field="limits document: a user id")
     table = LimitTable(
@@ -102,4 +108,4 @@ def decode(document: str | bytes) -> Limits:
         raw["exempt_users"],
         raw["exempt_tiers"],
     )
-    return Limits(default, table)
+    return Limits(default, table, mode)

@@ -274,10 +274,17 @@ class RedisStore:
             return None
         return int(version), limits_table.decode(document)
 
+    def limits_version(self) -> int | None:
+        """The stored limits table's version alone (``None``: there is none): a
+        cheap check before reading a document that may be megabytes."""
+        version = self._call(lambda: self._client.hget(self.keys.limits, "version"))
+        return None if version is None else int(version)
+
     def write_limits(self, limits: Limits, expected_version: int | None) -> int:
         """Replaces the limits table and publishes the new version, which it
         returns. With ``expected_version``, only if that is still the current
-        one (else StaleLimits, carrying the current version)."""
+        one (else StaleLimits, carrying the current version); 0 writes only
+        where there is no table yet."""
         expected = "" if expected_version is None else str(expected_version)
         (result,) = self._run(
             [

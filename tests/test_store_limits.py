@@ -9,6 +9,7 @@ import json
 import pytest
 
 from pacing.limits import LimitTable
+from pacing.modes import Mode
 from store.limits_table import Limits, decode, encode
 from store.redis_store import RedisStore, StaleLimits
 from tests import store_harness
@@ -45,6 +46,13 @@ def test_a_document_decodes_to_the_table_it_encodes():
     assert back.table.overrides == limits.table.overrides
 
 
+def test_the_mode_is_part_of_the_document():
+    limits = Limits(30, LimitTable(), Mode.SHADOW)
+    assert json.loads(encode(limits))["mode"] == "shadow"
+    assert decode(encode(limits)).mode is Mode.SHADOW
+    assert decode(encode(Limits(30, LimitTable()))).mode is Mode.ENFORCE
+
+
 def test_pacing_off_is_a_null_default():
     assert decode(encode(Limits(None, LimitTable()))).default_rate is None
 
@@ -63,8 +71,8 @@ def document(**changes: object) -> str:
         (
             json.dumps({"default_rate": 1, "extra": 2}),
             "limits document: missing fields ['user_rates', 'tier_rates', "
-            "'memberships', 'exempt_users', 'exempt_tiers'], unknown fields "
-            "['extra']",
+            "'memberships', 'exempt_users', 'exempt_tiers', 'mode'], unknown "
+            "fields ['extra']",
         ),
         (document(default_rate=0), "default_rate must be between 1 and 1000000"),
         (document(user_rates=[]), "limits document: user_rates must be a JSON object"),
@@ -81,6 +89,7 @@ def document(**changes: object) -> str:
             document(exempt_users=["a\u200bb"]),
             "limits document: a user id must not contain invisible format",
         ),
+        (document(mode="loud"), "limits document: mode must be one of enforce"),
     ],
     ids=[
         "not-json",
@@ -92,6 +101,7 @@ def document(**changes: object) -> str:
         "rate-type",
         "unknown-tier",
         "bad-user-id",
+        "mode",
     ],
 )
 def test_a_bad_document_is_refused_by_name(text, message):
