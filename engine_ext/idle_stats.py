@@ -84,18 +84,22 @@ class Freshness:
 def fingerprint(scheduler: Any) -> tuple[object, ...]:
     """What the metrics payload of ``scheduler`` (an ``OutputRateSchedulerMixin``)
     reports that can change without a step: control-plane counters (every limit
-    change bumps ``limit_changes``), the default limit, the event totals and the
-    tracked users. Equal fingerprints: nothing new to report.
+    change bumps ``limit_changes``), the default limit, the event totals, the
+    tracked users and, with a store, its traffic and state (an idle engine's
+    claimer still sends heartbeats, and the store may stop answering). Equal
+    fingerprints: nothing new to report.
 
     Read without the shared limiter's lock from any thread: the parts are ints
     and a locked snapshot, and a read torn by a running step only sees news that
     the step's own payload reports.
     """
+    store = scheduler.output_rate_shared.store_stats
     return (
         scheduler.output_rate_shared.control_snapshot(),
         scheduler.limiter.default_rate,
         dataclasses.astuple(scheduler.accounting.total),
         scheduler.limiter.tracked_users(),
+        None if store is None else store.fingerprint(),
     )
 
 

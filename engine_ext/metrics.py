@@ -17,6 +17,10 @@ Two vLLM details shape this module:
   vLLM's logging stat logger sees ``kv_connector_stats``: it asserts a KV
   connector is configured when that field is non-empty, and crashes.
 
+The store's families (``vllm:output_rate_store_*``, with a global store only)
+carry an ``engine`` label, as vLLM's own per-engine metrics do: with data
+parallelism every rank is a store client of its own.
+
 With several API processes (``--api-server-count``) vLLM serves ``/metrics`` from
 prometheus_client's multiprocess files; the metric objects here write to those
 files too, counters add up across processes and gauges show the most recent value.
@@ -25,6 +29,7 @@ files too, counters add up across processes and gauges show the most recent valu
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -39,13 +44,16 @@ from engine_ext.stats_payload import (
     OTHER_TIER,
     OTHER_USER,
     RELOAD_RESULTS,
+    STORE_RESULTS,
     FailureLog,
     Payload,
     PayloadError,
+    StorePart,
     parse,
     take_payload,
 )
 from pacing.modes import Mode
+from pacing.store_stats import LATENCY_BUCKETS_NS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +76,8 @@ STAT_LOGGER_PLUGINS_GROUP = "vllm.stat_logger_plugins"
 #: next token), at most 1 s (``hooks.IDLE_WAIT_CAP_S``), or 50 ms while a
 #: grammar compiles (``hooks.ASYNC_WORK_WAIT_CAP_S``): log-spaced buckets to 1 s.
 IDLE_WAIT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+#: The engine core's latency buckets (``pacing.store_stats``), in seconds.
+STORE_LATENCY_BUCKETS_S = tuple(bound / 1e9 for bound in LATENCY_BUCKETS_NS)
 
 #: Exported names (counters as exposed, with ``_total``).
 TOKENS_CHARGED = "vllm:output_rate_tokens_charged_total"
@@ -89,6 +99,13 @@ TIER_REFUNDS = "vllm:output_rate_tier_refunds_total"
 TIER_THROTTLED_PREEMPTIONS = "vllm:output_rate_tier_throttled_preemptions_total"
 TIER_SHADOW_SKIPS = "vllm:output_rate_tier_shadow_skips_total"
 TIER_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_tier_limit_tokens_per_second"
+STORE_ROUND_TRIPS = "vllm:output_rate_store_round_trips_total"
+STORE_ROUND_TRIP_SECONDS = "vllm:output_rate_store_round_trip_seconds"
+STORE_TOKENS_CLAIMED = "vllm:output_rate_store_tokens_claimed_total"
+STORE_TOKENS_GRANTED = "vllm:output_rate_store_tokens_granted_total"
+STORE_TOKENS_RETURNED = "vllm:output_rate_store_tokens_returned_total"
+STORE_DEGRADED = "vllm:output_rate_store_degraded"
+STORE_LIVE_ENGINES = "vllm:output_rate_store_live_engines"
 
 #: Payload counter field -> exported counter name.
 USER_COUNTERS = {
@@ -105,6 +122,12 @@ TIER_COUNTERS = {
     "refunds": TIER_REFUNDS,
     "throttled_preemptions": TIER_THROTTLED_PREEMPTIONS,
     "shadow_skips": TIER_SHADOW_SKIPS,
+}
+#: Payload store token field -> exported counter name.
+STORE_TOKEN_COUNTERS = {
+    "claimed": STORE_TOKENS_CLAIMED,
+    "granted": STORE_TOKENS_GRANTED,
+    "returned": STORE_TOKENS_RETURNED,
 }
 assert set(USER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
 assert set(TIER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
@@ -141,6 +164,19 @@ _DOCS = {
     "members of a tier.",
     TIER_LIMIT_TOKENS_PER_SECOND: "Output-token limit of each member of a tier "
     "(members without a limit of their own); no sample for an exempt tier.",
+    STORE_ROUND_TRIPS: "Round trips of the engine's claimer to the global store "
+    "(one pipelined exchange per pass) by result (ok, error).",
+    STORE_ROUND_TRIP_SECONDS: "Time the claimer waited on a round trip to the "
+    "global store, answered or not (a timeout shows as the timeout).",
+    STORE_TOKENS_CLAIMED: "Tokens the engine's answered claims asked the global "
+    "store for.",
+    STORE_TOKENS_GRANTED: "Tokens the global store granted the engine's claims.",
+    STORE_TOKENS_RETURNED: "Unspent tokens the engine gave back to the global "
+    "store (a lease ended, or a user's last request on the engine did).",
+    STORE_DEGRADED: "1 while the global store does not answer the engine (it "
+    "paces from what it holds, then locally), else 0.",
+    STORE_LIVE_ENGINES: "Live engines (heartbeats) the global store last "
+    "reported: the N of the local share R / N during an outage.",
 }
 
 # Registry -> our collector on it, so a second logger in one process (vLLM
@@ -221,6 +257,26 @@ class OutputRateMetrics:
             for field, name in TIER_COUNTERS.items()
         }
         self._tier_limits = _gauge(TIER_LIMIT_TOKENS_PER_SECOND, tier)
+        engine = ["model_name", "engine"]
+        self._store_round_trips = Counter(
+            STORE_ROUND_TRIPS,
+            _DOCS[STORE_ROUND_TRIPS],
+            ["model_name", "engine", "result"],
+            registry=None,
+        )
+        self._store_latency = Histogram(
+            STORE_ROUND_TRIP_SECONDS,
+            _DOCS[STORE_ROUND_TRIP_SECONDS],
+            engine,
+            buckets=STORE_LATENCY_BUCKETS_S,
+            registry=None,
+        )
+        self._store_tokens = {
+            field: Counter(name, _DOCS[name], engine, registry=None)
+            for field, name in STORE_TOKEN_COUNTERS.items()
+        }
+        self._store_degraded = _gauge(STORE_DEGRADED, engine)
+        self._store_live_engines = _gauge(STORE_LIVE_ENGINES, engine)
         self._labelled: set[str] | None = None  # None until the first payload
         self._limit_values: dict[str, int] = {}
         self._labelled_tiers: set[str] = set()
@@ -239,6 +295,11 @@ class OutputRateMetrics:
                     self._mode,
                     *self._tier_counters.values(),
                     self._tier_limits,
+                    self._store_round_trips,
+                    self._store_latency,
+                    *self._store_tokens.values(),
+                    self._store_degraded,
+                    self._store_live_engines,
                 ]
             )
             previous = _collectors.get(registry)
@@ -247,8 +308,9 @@ class OutputRateMetrics:
             registry.register(collector)
             _collectors[registry] = collector
 
-    def apply(self, payload: Payload) -> None:
-        """Adds the payload's deltas and sets its gauges."""
+    def apply(self, payload: Payload, engine: int = 0) -> None:
+        """Adds the payload's deltas and sets its gauges; ``engine`` is the
+        index of the engine core that sent it."""
         model = self._model
         if self._labelled is None:
             self._start()
@@ -280,6 +342,36 @@ class OutputRateMetrics:
         for mode in Mode:
             self._mode.labels(model, mode.value).set(int(mode is payload.mode))
         self._apply_tiers(payload)
+        if payload.store is not None:
+            self._apply_store(payload.store, str(engine))
+
+    def _apply_store(self, store: StorePart, engine: str) -> None:
+        """Adds the store's deltas and sets its gauges. Each latency bucket is
+        replayed as its count of observations of their mean, which lies in the
+        bucket: bucket counts, count and sum come out as the engine measured."""
+        model = self._model
+        # inc(0) too: a series born at zero shows its first increase to rate().
+        for result in STORE_RESULTS:
+            count = store.round_trips[result]
+            self._store_round_trips.labels(model, engine, result).inc(count)
+        for field, counter in self._store_tokens.items():
+            counter.labels(model, engine).inc(store.tokens[field])
+        latency = self._store_latency.labels(model, engine)
+        lower = 0.0
+        for (count, total_ns), upper in zip(
+            store.latency_ns, (*STORE_LATENCY_BUCKETS_S, math.inf), strict=True
+        ):
+            if count:
+                mean = total_ns / count / 1e9
+                # Over the bucket's lower bound also after rounding (not in the
+                # first bucket, which holds 0).
+                if lower:
+                    mean = max(mean, math.nextafter(lower, math.inf))
+                for _ in range(count):
+                    latency.observe(mean)
+            lower = upper
+        self._store_degraded.labels(model, engine).set(int(store.degraded))
+        self._store_live_engines.labels(model, engine).set(store.live_engines)
 
     def _apply_tiers(self, payload: Payload) -> None:
         """Per-tier series exist exactly for the labelled tiers, and from the
@@ -372,7 +464,7 @@ class OutputRateStatLogger(AggregateStatLoggerBase):
             if raw is None:
                 return
             payload = parse(raw)
-            self.metrics.apply(payload)
+            self.metrics.apply(payload, engine_idx)
         except PayloadError as exc:
             if not self._warned:
                 logger.warning("dropping malformed output-rate stats: %s", exc)

@@ -24,6 +24,14 @@ Tiers are labelled the same way (every tier that exists, at most
 members' events, each event counted in the tier its user belongs to when the
 payload is built, and users in no tier are in no tier's counters.
 
+Store: with a global store configured (``SharedLimiter.store_stats``), the
+payload carries the engine's store traffic (``pacing.store_stats``): round trips
+by result, their latency per fixed bucket as (count, total ns) deltas (each
+bucket's mean lies within it, so the API process can replay the bucket exactly),
+tokens claimed, granted and returned as deltas, and the degraded flag and live
+engines as gauges. Without a store the entry is ``None`` and no store series
+exist.
+
 Cost: one build is O(labelled users) without tiers; with tiers it also reads the
 counters of every user the accounting holds (those with live requests or recent
 events), once: O(users).
@@ -40,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +57,7 @@ from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode, parse_mode
 from pacing.settings import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
+from pacing.store_stats import LATENCY_BUCKETS_NS, StoreStats
 
 if TYPE_CHECKING:
     from vllm.v1.metrics.stats import SchedulerStats
@@ -59,7 +68,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 2
+PAYLOAD_VERSION = 3
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
 #: The ``tier`` label value of every tier without a label of its own.
@@ -98,6 +107,10 @@ GRPC_CODES = frozenset(
     }
 )
 RELOAD_RESULTS = ("success", "failure")
+#: Results of a store round trip, as carried and exported.
+STORE_RESULTS = ("ok", "error")
+#: Store token counters, as carried and exported.
+STORE_TOKENS = ("claimed", "granted", "returned")
 #: Label values with a meaning of their own; a user so named is never labelled.
 _RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
 #: The per-user counters carried, in ``UserCounters`` field names.
@@ -159,6 +172,24 @@ class Payload:
     tiers: Mapping[str, int]
     #: tier label -> {counter field -> delta}; only non-zero deltas.
     tier_counters: Mapping[str, Mapping[str, int]]
+    #: The store's part; ``None`` without a store.
+    store: StorePart | None
+
+
+@dataclass(frozen=True)
+class StorePart:
+    """A payload's store traffic: deltas since the previous payload, and
+    current gauges (``pacing.store_stats``)."""
+
+    #: result (``STORE_RESULTS``) -> round trips
+    round_trips: Mapping[str, int]
+    #: per bucket of ``LATENCY_BUCKETS_NS`` (then one past the last bound):
+    #: (round trips, their total latency in ns)
+    latency_ns: tuple[tuple[int, int], ...]
+    #: ``STORE_TOKENS`` name -> tokens
+    tokens: Mapping[str, int]
+    degraded: bool
+    live_engines: int
 
 
 class _Labels:
@@ -213,6 +244,9 @@ class PayloadBuilder:
         self._tier_seen: dict[str, tuple[UserCounters, tuple[int, ...]]] | None = None
         self._last_control = ControlPlaneSnapshot()
         self._idle_waits: list[float] = []
+        #: The store stats reported last and a copy of their values then.
+        self._store_source: StoreStats | None = None
+        self._last_store = StoreStats()
         self._built_once = False
         #: Where the scheduler reports a failed build (the step's stats then go
         #: to the API process without a payload).
@@ -241,12 +275,14 @@ class PayloadBuilder:
         control: ControlPlaneSnapshot | None = None,
         mode: Mode = Mode.ENFORCE,
         limiter: OutputRateLimiter | None = None,
+        store: StoreStats | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
-        labelled users' limits, the given gauges and ``mode``, and with
+        labelled users' limits, the given gauges and ``mode``, with
         ``limiter`` (whose table says the tiers and their members) the tiers'
-        limits and counter deltas.
+        limits and counter deltas, and with ``store`` (read under the lock its
+        recorder holds) the store's part.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
@@ -311,6 +347,38 @@ class PayloadBuilder:
             "mode": mode.value,
             "tiers": tiers,
             "tier_counters": tier_counters,
+            "store": None if store is None else self._store_part(store),
+        }
+
+    def _store_part(self, store: StoreStats) -> dict[str, Any]:
+        """The store's deltas since the previous build (from zero for a stats
+        object not reported before) and its gauges."""
+        if store is not self._store_source:
+            self._store_source, self._last_store = store, StoreStats()
+        now, before = _copy_store(store), self._last_store
+        self._last_store = now
+        return {
+            "round_trips": {
+                "ok": now.round_trips_answered - before.round_trips_answered,
+                "error": now.round_trips_failed - before.round_trips_failed,
+            },
+            "latency_ns": [
+                [count - count_before, total - total_before]
+                for count, count_before, total, total_before in zip(
+                    now.latency_counts,
+                    before.latency_counts,
+                    now.latency_sums_ns,
+                    before.latency_sums_ns,
+                    strict=True,
+                )
+            ],
+            "tokens": {
+                "claimed": now.tokens_claimed - before.tokens_claimed,
+                "granted": now.tokens_granted - before.tokens_granted,
+                "returned": now.tokens_returned - before.tokens_returned,
+            },
+            "degraded": int(now.degraded),
+            "live_engines": int(now.live_engines),
         }
 
     def _tier_part(
@@ -444,6 +512,10 @@ def parse(raw: object) -> Payload:
     tier_counters = _counter_rows(
         raw.get("tier_counters"), "tier_counters", set(tiers) | {OTHER_TIER}, OTHER_TIER
     )
+    if "store" not in raw:
+        raise PayloadError("store must be an object or null")
+    store_raw = raw["store"]
+    store = None if store_raw is None else _parse_store(store_raw)
     return Payload(
         users=users,
         limits=limits,
@@ -457,6 +529,56 @@ def parse(raw: object) -> Payload:
         mode=mode,
         tiers=tiers,
         tier_counters=tier_counters,
+        store=store,
+    )
+
+
+def _parse_store(raw: object) -> StorePart:
+    """Validates the store's part of a payload (``PayloadBuilder._store_part``)."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError("store must be an object or null")
+    round_trips = _str_int_map(raw.get("round_trips"), "store.round_trips")
+    if set(round_trips) != set(STORE_RESULTS):
+        raise PayloadError(f"store.round_trips keys must be {STORE_RESULTS}")
+    tokens = _str_int_map(raw.get("tokens"), "store.tokens")
+    if set(tokens) != set(STORE_TOKENS):
+        raise PayloadError(f"store.tokens keys must be {STORE_TOKENS}")
+    latency = raw.get("latency_ns")
+    if (
+        not isinstance(latency, list | tuple)
+        or len(latency) != len(LATENCY_BUCKETS_NS) + 1
+    ):
+        raise PayloadError(
+            f"store.latency_ns must be a list of {len(LATENCY_BUCKETS_NS) + 1} "
+            "[count, total ns] pairs"
+        )
+    buckets: list[tuple[int, int]] = []
+    lower = -1  # latencies are >= 0: the first bucket holds 0
+    for index, entry in enumerate(latency):
+        name = f"store.latency_ns[{index}]"
+        if not isinstance(entry, list | tuple) or len(entry) != 2:
+            raise PayloadError(f"{name} must be a [count, total ns] pair")
+        count, total = _int(entry[0], name), _int(entry[1], name)
+        upper = LATENCY_BUCKETS_NS[index] if index < len(LATENCY_BUCKETS_NS) else None
+        # Replayed as count observations of their mean, which must be in it.
+        if count == 0:
+            inside = total == 0
+        else:
+            inside = total > lower * count and (upper is None or total <= upper * count)
+        if not inside:
+            raise PayloadError(f"{name}: {total} ns over {count} is not in its bucket")
+        buckets.append((count, total))
+        if upper is not None:
+            lower = upper
+    degraded = raw.get("degraded")
+    if degraded not in (0, 1) or isinstance(degraded, bool):
+        raise PayloadError(f"store.degraded must be 0 or 1, got {degraded!r}")
+    return StorePart(
+        round_trips=round_trips,
+        latency_ns=tuple(buckets),
+        tokens=tokens,
+        degraded=bool(degraded),
+        live_engines=_int(raw.get("live_engines"), "store.live_engines"),
     )
 
 
@@ -466,6 +588,13 @@ def parse(raw: object) -> Payload:
 def _copy(counters: UserCounters) -> UserCounters:
     copy = UserCounters()
     copy.add(counters)
+    return copy
+
+
+def _copy_store(stats: StoreStats) -> StoreStats:
+    copy = replace(stats)
+    copy.latency_counts = list(stats.latency_counts)
+    copy.latency_sums_ns = list(stats.latency_sums_ns)
     return copy
 
 

@@ -43,6 +43,7 @@ from pacing.budget import BudgetSource
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.recent_rate import NS_PER_S, RecentRates
+from pacing.store_stats import StoreStats
 
 #: ``request_counts()`` result: user -> (running requests, throttled requests).
 RequestCounts = Mapping[str, tuple[int, int]]
@@ -122,6 +123,10 @@ class SharedLimiter:
         #: How the scheduler acts on the limiter's decisions; read at the start
         #: of every step, changed (like limits) only under the lock.
         self.mode = mode
+        #: The store's traffic and state for the metrics, with a store
+        #: configured (set by whatever starts the claimer, which updates it
+        #: under the lock); ``None`` without one: no store metrics.
+        self.store_stats: StoreStats | None = None
 
     @property
     def budget(self) -> BudgetSource:

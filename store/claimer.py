@@ -16,6 +16,10 @@ returns dropped: tokens lost to everyone until the cell's debt decays, never
 double-spent); the next pass tries again. What the engine does meanwhile
 (spend what it holds, then the fallback share) is the scheduler's to decide
 from the balances' state.
+
+With ``stats``, each round trip is recorded there for the metrics
+(``pacing.store_stats``): answered or failed, how long it took by ``clock``,
+the tokens claimed, granted and returned, and the store's state.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S
+from pacing.store_stats import StoreStats
 from store.redis_store import RedisStore, StoreError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,7 @@ class Claimer:
 
     ``lock`` is what the scheduler holds while it uses ``balances`` (the
     facade's lock); ``clock`` is the engine's monotonic clock in nanoseconds.
+    ``stats``, when given, is updated under ``lock`` after every round trip.
     """
 
     def __init__(
@@ -56,6 +62,7 @@ class Claimer:
         wake: Callable[[], None] | None = None,
         period_s: float = DEFAULT_PERIOD_S,
         heartbeat_ns: int = DEFAULT_HEARTBEAT_NS,
+        stats: StoreStats | None = None,
     ) -> None:
         self._store = store
         self._balances = balances
@@ -65,6 +72,7 @@ class Claimer:
         self._wake = wake
         self._period_s = period_s
         self._heartbeat_ns = heartbeat_ns
+        self._stats = stats
         self._next_heartbeat_ns: int | None = None
         self._poke = threading.Event()
         self._stop = threading.Event()
@@ -105,15 +113,22 @@ class Claimer:
             if beat
             else None
         )
+        sent_ns = self._clock()
         try:
             answer = self._store.exchange(plan.claims, plan.returns, heartbeat)
         except StoreError as error:
+            waited_ns = self._clock() - sent_ns
             with self._lock:
+                now_ns = self._clock()
                 if self._balances.store_down_since_ns is None:
                     logger.warning("output-rate store unavailable: %s", error)
                 self._balances.claims_failed(plan.claims)
-                self._balances.record_store_failure(self._clock())
+                self._balances.record_store_failure(now_ns)
+                if self._stats is not None:
+                    self._stats.record_failed(waited_ns, now_ns)
             return
+        # Read before the lock: waiting for the scheduler's step is not the store's.
+        waited_ns = self._clock() - sent_ns
         woke = False
         with self._lock:
             now_ns = self._clock()
@@ -125,6 +140,14 @@ class Claimer:
             for user, grant in answer.grants.items():
                 self._balances.landed(user, grant.granted, grant.retry_after_ns, now_ns)
                 woke = woke or grant.granted > 0
+            if self._stats is not None:
+                self._stats.record_answered(
+                    waited_ns,
+                    claimed=sum(request.tokens for request in plan.claims.values()),
+                    granted=sum(grant.granted for grant in answer.grants.values()),
+                    returned=sum(request.tokens for request in plan.returns.values()),
+                    live_engines=self._balances.live_engines,
+                )
         if woke and self._wake is not None:
             self._wake()
 

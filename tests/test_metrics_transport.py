@@ -41,6 +41,7 @@ from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.shared import ControlPlaneSnapshot
+from pacing.store_stats import StoreStats
 from tools.fake_clock import FakeClock
 from tools.scheduler_harness import make_scheduler
 
@@ -301,7 +302,7 @@ def test_a_malformed_payload_is_dropped_and_still_removed(
         plugin.record(engine_step({"v": 999}), None)
     assert stats.kv_connector_stats is None
     assert [r.message for r in caplog.records].count(
-        "dropping malformed output-rate stats: payload version 999 is not 2: "
+        "dropping malformed output-rate stats: payload version 999 is not 3: "
         "engine core and API process run different engine_ext versions"
     ) == 1
     assert b"output_rate" not in generate_latest(registry)
@@ -385,7 +386,7 @@ def test_a_failing_record_logs_and_does_not_raise(
     registry = CollectorRegistry()
     plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
 
-    def broken(payload) -> None:
+    def broken(payload, engine) -> None:
         raise RuntimeError("bug in our exporter")
 
     payload = PayloadBuilder().build(
@@ -471,3 +472,123 @@ def test_payloads_are_built_at_most_every_payload_interval(tiny_model_dir: str) 
             assert reported == scheduler.accounting.of("u").charged  # all of it
         clock.advance_ms(PAYLOAD_INTERVAL_NS / 1e6 / 4)
     assert built == [True, False, False, False] * 3
+
+
+# -- the store ------------------------------------------------------------------
+
+MS = 1_000_000
+
+
+def store_payload(builder: PayloadBuilder, stats: StoreStats) -> dict:
+    return builder.build(
+        accounting=Accounting(),
+        user_rates={},
+        default_rate=10,
+        throttled_requests=0,
+        tracked_users=0,
+        store=stats,
+    )
+
+
+def test_store_metrics_reach_vllms_registry_through_the_real_pipeline(
+    manager: StatLoggerManager,
+) -> None:
+    """Round trips by result, the latency histogram with the engine's own
+    bucket counts and sum, token counters and both gauges; then deltas add up
+    and the degraded gauge clears."""
+    stats = StoreStats()
+    stats.record_answered(300_000, claimed=8, granted=6, returned=0, live_engines=3)
+    stats.record_answered(400_000, claimed=4, granted=4, returned=2, live_engines=3)
+    stats.record_answered(2 * MS, claimed=1, granted=1, returned=5, live_engines=3)
+    stats.record_failed(50 * MS, now_ns=1)  # a timeout: the bound, inclusive
+    builder = PayloadBuilder()
+    manager.record(
+        scheduler_stats=engine_step(store_payload(builder, stats)),
+        iteration_stats=None,
+    )
+    manager.log()
+
+    trips = "vllm:output_rate_store_round_trips_total"
+    assert sample(trips, engine="0", result="ok") == 3
+    assert sample(trips, engine="0", result="error") == 1
+    latency = "vllm:output_rate_store_round_trip_seconds"
+    buckets = {
+        le: sample(f"{latency}_bucket", engine="0", le=le)
+        for le in ("0.00025", "0.0005", "0.001", "0.0025", "0.025", "0.05", "+Inf")
+    }
+    assert buckets == {
+        "0.00025": 0,
+        "0.0005": 2,
+        "0.001": 2,
+        "0.0025": 3,
+        "0.025": 3,
+        "0.05": 4,
+        "+Inf": 4,
+    }
+    assert sample(f"{latency}_count", engine="0") == 4
+    assert sample(f"{latency}_sum", engine="0") == pytest.approx(0.0527)
+    assert sample("vllm:output_rate_store_tokens_claimed_total", engine="0") == 13
+    assert sample("vllm:output_rate_store_tokens_granted_total", engine="0") == 11
+    assert sample("vllm:output_rate_store_tokens_returned_total", engine="0") == 7
+    assert sample("vllm:output_rate_store_degraded", engine="0") == 1
+    assert sample("vllm:output_rate_store_live_engines", engine="0") == 3
+
+    stats.record_answered(MS, claimed=2, granted=2, returned=0, live_engines=2)
+    manager.record(
+        scheduler_stats=engine_step(store_payload(builder, stats)),
+        iteration_stats=None,
+    )
+    assert sample(trips, engine="0", result="ok") == 4
+    assert sample(f"{latency}_bucket", engine="0", le="0.001") == 3
+    assert sample(f"{latency}_count", engine="0") == 5
+    assert sample(f"{latency}_sum", engine="0") == pytest.approx(0.0537)
+    assert sample("vllm:output_rate_store_tokens_claimed_total", engine="0") == 15
+    assert sample("vllm:output_rate_store_degraded", engine="0") == 0
+    assert sample("vllm:output_rate_store_live_engines", engine="0") == 2
+
+
+def test_store_series_are_born_at_zero_and_labelled_by_engine(
+    vllm_config: VllmConfig,
+) -> None:
+    """The first payload creates every store series, at zero where nothing
+    happened yet (rate() then sees the first increase), under the index of the
+    engine core that sent it."""
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0, 1], registry=registry)
+    payload = store_payload(PayloadBuilder(), StoreStats())
+    plugin.record(engine_step(payload), None, engine_idx=1)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(
+            name, {"model_name": MODEL, "engine": "1", **labels}
+        )
+
+    for result in ("ok", "error"):
+        assert value(metrics.STORE_ROUND_TRIPS, result=result) == 0
+    for name in metrics.STORE_TOKEN_COUNTERS.values():
+        assert value(name) == 0
+    assert value(f"{metrics.STORE_ROUND_TRIP_SECONDS}_count") == 0
+    assert value(metrics.STORE_DEGRADED) == 0
+    assert value(metrics.STORE_LIVE_ENGINES) == 1
+    assert (
+        registry.get_sample_value(
+            metrics.STORE_DEGRADED, {"model_name": MODEL, "engine": "0"}
+        )
+        is None
+    )
+
+
+def test_without_a_store_there_are_no_store_series(vllm_config: VllmConfig) -> None:
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    payload = PayloadBuilder().build(
+        accounting=Accounting(),
+        user_rates={},
+        default_rate=10,
+        throttled_requests=0,
+        tracked_users=0,
+    )
+    plugin.record(engine_step(payload), None)
+    text = generate_latest(registry)
+    assert b"vllm:output_rate_tracked_users" in text  # the payload was exported
+    assert b"output_rate_store" not in text
