@@ -397,6 +397,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         control=self.output_rate_shared.control_snapshot(),
                         mode=self.output_rate_shared.mode,
                         limiter=self.limiter,
+                        store=self.output_rate_shared.store_stats,
                     )
                 stats_payload.attach(stats, payload)
             except Exception:

@@ -119,6 +119,7 @@ class _Account:
     __slots__ = (
         "batches",
         "current",
+        "demand",
         "drawn_expiry_ns",
         "held",
         "idle_check",
@@ -137,11 +138,14 @@ class _Account:
         self.held = 0
         self.window_start_ns = now_ns
         self.current = 0
+        #: The tokens the scheduler last asked for at once (a step's worth: the
+        #: user's streams here): the next claim goes out before fewer are held.
+        self.demand = 0
         self.previous: int | None = None
         self.last_take_ns = now_ns
         #: When its last claim was planned (``None``: never).
         self.last_claim_ns: int | None = None
-        #: Wanting while ``held <= low_water`` (half the last claim size).
+        #: Wanting while ``held <= low_water`` (set by ``plan``).
         self.low_water = 0
         self.in_flight = False
         #: The store said no token is free before then (a partial grant).
@@ -315,7 +319,10 @@ class ClaimedBalances:
                 self._wanting.discard(user)
                 continue
             size = self.claim_size(user, now_ns)
-            account.low_water = size // 2
+            # Half a claim, or a step's worth less one if more: with claims of
+            # 1 token and 2 streams, waiting for an empty balance would leave
+            # a step without tokens at every claim's round trip.
+            account.low_water = max(size // 2, account.demand - 1)
             if account.held > account.low_water:
                 self._wanting.discard(user)
                 continue
@@ -426,6 +433,7 @@ class ClaimedBalances:
                 batches.popleft()
         account.held -= taken
         account.last_take_ns = now_ns
+        account.demand = most
         self._record(account, taken, now_ns)
         if account.held <= account.low_water and user not in self._wanting:
             self._wanting.add(user)

@@ -35,7 +35,8 @@ from pacing.limiter import NS_PER_S
 from pacing.store_stats import StoreStats
 from store.redis_store import RedisStore, StoreError
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 DEFAULT_PERIOD_S = 0.01
 DEFAULT_HEARTBEAT_NS = NS_PER_S

@@ -1,6 +1,8 @@
 """What runs in an engine-core process with a store: the claimed balances as
-the scheduler's budget (``pacing.store_budget``) and the claimer thread that
-fills them. Started by ``store.plugin``; stopped at the scheduler's shutdown."""
+the scheduler's budget (``pacing.store_budget``), the claimer thread that fills
+them, and the sync that keeps the engine's limits table and mode equal to the
+global ones (``store.limits_sync``). Started by ``store.plugin``; stopped at the
+scheduler's shutdown."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from pacing.limiter import NS_PER_S
 from pacing.shared import SharedLimiter
 from pacing.store_budget import StoreBudget
 from pacing.store_settings import StoreSettings
+from pacing.store_stats import StoreStats
 from store.claimer import Claimer
+from store.limits_sync import LimitsSync
 from store.redis_store import RedisStore, connect
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -22,15 +26,24 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class RunningStore:
-    """The store's part of one engine: its budget and its claimer."""
+    """The store's part of one engine: its budget, its claimer and the sync of
+    its limits table with the global one."""
 
-    def __init__(self, shared: SharedLimiter, budget: StoreBudget, claimer: Claimer):
+    def __init__(
+        self,
+        shared: SharedLimiter,
+        budget: StoreBudget,
+        claimer: Claimer,
+        limits: LimitsSync,
+    ) -> None:
         self.shared = shared
         self.budget = budget
         self.claimer = claimer
+        self.limits = limits
 
     def stop(self) -> None:
-        """Stops claiming; the engine is taken off the live count."""
+        """Stops claiming and syncing; the engine is taken off the live count."""
+        self.limits.stop()
         self.claimer.stop()
 
 
@@ -56,8 +69,10 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
         failure_mode=settings.failure_mode,
         failure_after_ns=round(settings.failure_after_s * NS_PER_S),
     )
+    stats = StoreStats()
     with shared.lock:
         shared.use_budget(budget)
+        shared.store_stats = stats
     claimer = Claimer(
         store,
         balances,
@@ -65,12 +80,17 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
         shared.clock,
         engine_id=engine_id(),
         wake=shared.wake,
+        stats=stats,
     )
     claimer.start()
+    # After the control plane attached (entry points load in that order): it
+    # has loaded the limits file, which seeds a store that has no table yet.
+    limits = LimitsSync(store, shared)
+    limits.start()
     logger.info(
         "output-rate store: claiming from %s (failure mode %s after %.1f s)",
         settings.url,
         settings.failure_mode.value,
         settings.failure_after_s,
     )
-    return RunningStore(shared, budget, claimer)
+    return RunningStore(shared, budget, claimer, limits)

@@ -485,3 +485,16 @@ def test_tokens_are_spent_within_their_lease_and_none_is_created_or_lost(ops, le
         balances.end_user(user, now)
     plan()
     assert landed == spent + returned
+
+
+def test_a_user_asking_for_a_steps_worth_wants_a_claim_before_running_dry():
+    # Two streams here ask for 2 tokens a step; claims are 1 token (a slow
+    # user): the next claim goes out while 1 is still held, so no step has to
+    # wait for a claim's round trip.
+    balances = balances_at(rate=10)  # burst 2
+    balances.take_up_to("a", 2, t0)
+    assert balances.plan(t0).claims["a"].tokens == 1
+    balances.landed("a", 1, 0, t0)
+    assert "a" in balances.plan(t0).claims  # holds 1 <= 2 - 1: wanting again
+    balances.landed("a", 1, 0, t0)
+    assert balances.take_up_to("a", 2, t1) == (2, 0)
