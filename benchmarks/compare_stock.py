@@ -310,10 +310,10 @@ def limiter_ops_per_s(users: int, ops: int = LIMITER_OPS) -> dict[str, float]:
     ]
     result = {}
     for operation in (limiter.try_take, limiter.ready_at_ns, limiter.refund):
-        started = time.perf_counter()
+        started = time.thread_time()  # as part 1: another process is not ours
         for name, now_ns in calls:
             operation(name, now_ns)
-        result[operation.__name__] = ops / (time.perf_counter() - started)
+        result[operation.__name__] = ops / (time.thread_time() - started)
     return result
 
 
