@@ -30,7 +30,7 @@ from tests.nginx_gateway import (
     start_gateway,
 )
 from tools.local_server import VllmServer, free_port, start_server
-from tools.measure import StreamResult, UserRate, most_tokens, rates_by_user
+from tools.measure import StreamResult, assert_paced, rates_by_user
 
 HEADER = "X-User-Id"
 DEFAULT_RATE = 1000
@@ -120,22 +120,6 @@ async def stream(
             result.finish_reason = choice.finish_reason or result.finish_reason
     result.finished_at = time.monotonic()
     return result
-
-
-def assert_paced(rate: UserRate, limit: int) -> None:
-    """As tests/test_e2e_server.py: at most GCRA's bound over the window from
-    the first request sent to the last token (it holds every charge), at least
-    97 % of the limit over the first-to-last-token span."""
-    n, floor = rate.tokens, 0.97 * rate.span_s * limit
-    ceiling = most_tokens([(0.0, limit)], rate.window_s)
-    report = (
-        f"{rate.user}: {n} tokens; first to last {rate.span_s:.3f} s = "
-        f"{rate.tokens_per_s:.2f} tok/s (at least {floor:.1f} needed); "
-        f"sent to last {rate.window_s:.3f} s (at most {ceiling:.1f} allowed); "
-        f"limit {limit}"
-    )
-    print(f"\n{report}")
-    assert floor <= n <= ceiling, report
 
 
 def user_state(server: VllmServer, user: str) -> pb.UserState | None:

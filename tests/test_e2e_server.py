@@ -16,9 +16,8 @@ from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.conftest import SERVER_LIMITS
 from tools.measure import (
     StreamResult,
-    UserRate,
+    assert_paced,
     bracketed,
-    most_tokens,
     rates_by_user,
     run_streams,
 )
@@ -28,23 +27,6 @@ pytestmark = pytest.mark.server
 LIMITS = SERVER_LIMITS["users"]
 TOKENS = 200
 C_USER = "user-fast"
-
-
-def assert_paced(rate: UserRate, limit: int) -> None:
-    """At most GCRA's bound over the window from the first request sent to the
-    last token, which holds every charge however late tokens reach the client;
-    at least 97 % of the limit from first to last token, a span that delays can
-    only stretch by the last token's delay (see ``tools.measure``)."""
-    n, floor = rate.tokens, 0.97 * rate.span_s * limit
-    ceiling = most_tokens([(0.0, limit)], rate.window_s)
-    report = (
-        f"{rate.user}: {n} tokens; first to last {rate.span_s:.3f} s = "
-        f"{rate.tokens_per_s:.2f} tok/s (at least {floor:.1f} needed); "
-        f"sent to last {rate.window_s:.3f} s (at most {ceiling:.1f} allowed); "
-        f"limit {limit}"
-    )
-    print(f"\n{report}")
-    assert floor <= n <= ceiling, report
 
 
 def assert_complete(results: list[StreamResult], max_tokens: int = TOKENS) -> None:

@@ -10,6 +10,8 @@ from pacing.limiter import NS_PER_S, OutputRateLimiter
 from tools.measure import (
     Bracketed,
     StreamResult,
+    UserRate,
+    assert_paced,
     bracketed,
     most_tokens,
     rates_by_user,
@@ -131,3 +133,14 @@ def test_bracketed_raises_the_error_of_a_failed_load():
 
     with pytest.raises(ConnectionError, match="server gone"):
         asyncio.run(bracketed(measure, load, cycles=1, settle_s=0.01))
+
+
+def test_assert_paced_holds_between_97_percent_and_gcras_bound():
+    # 20 tok/s: 10 s first to last token, 10.2 s from sending (ceiling
+    # (10.2 + 0.1) * 20 + 1 = 207).
+    assert_paced(UserRate("u", 200, 10.0, 10.2), 20)
+    assert_paced(UserRate("u", 194, 10.0, 10.2), 20)  # 97 %: the floor
+    with pytest.raises(AssertionError, match=r"at least 194\.0 needed"):
+        assert_paced(UserRate("u", 193, 10.0, 10.2), 20)
+    with pytest.raises(AssertionError, match=r"at most 207\.0 allowed"):
+        assert_paced(UserRate("u", 208, 10.0, 10.2), 20)
