@@ -132,8 +132,17 @@ def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane 
     """``serve`` with ``settings.control``, the start-up mode of ``settings``
     and, with ``--output-rate-store``, the table in the store; ``None`` when the
     settings ask for no control plane: no ``control`` section (an offline
-    ``LLM`` without one) or address ``off``."""
+    ``LLM`` without one) or address ``off``, or on a data-parallel rank other
+    than 0 (one control plane per server)."""
     if settings.control is None or not settings.control.enabled:
+        return None
+    if shared.engine_index != 0:
+        # One control plane per server: data-parallel rank 0 serves it; the
+        # other ranks follow its changes through the store.
+        logger.info(
+            "output-rate control plane: served by data-parallel rank 0, not %d",
+            shared.engine_index,
+        )
         return None
     return serve(
         shared,

@@ -284,6 +284,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 len(settings.user_rates),
                 len(settings.tier_rates),
             )
+            # The data-parallel index survives vLLM resetting the rank of
+            # independent (non-MoE) ranks to 0.
+            self.output_rate_shared.engine_index = (
+                self.vllm_config.parallel_config.data_parallel_index
+            )
             self.output_rate_attachments = attachments.attach_all(
                 self.output_rate_shared, settings
             )

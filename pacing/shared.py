@@ -114,6 +114,9 @@ class SharedLimiter:
         self.lock = threading.Lock()
         self.limiter = limiter
         self._budget = budget
+        #: This engine core's data-parallel index (0 without data parallelism):
+        #: a part served once per server, the control plane, attaches on 0 only.
+        self.engine_index = 0
         self.accounting = accounting
         self.clock = clock
         self._request_counts = request_counts

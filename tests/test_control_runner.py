@@ -30,6 +30,17 @@ def test_without_a_control_section_nothing_runs():
     assert attach(rig.shared, OutputRateSettings.from_additional_config(config)) is None
 
 
+def test_only_data_parallel_rank_0_serves_the_control_plane():
+    # One control plane per server: every rank has the same address, and the
+    # other ranks follow rank 0's changes through the store.
+    rig = make_rig(10)
+    rig.shared.engine_index = 1
+    config = {
+        "output_rate": {"default_rate": 10, "control": {"address": "127.0.0.1:0"}}
+    }
+    assert attach(rig.shared, OutputRateSettings.from_additional_config(config)) is None
+
+
 def test_attach_from_additional_config_is_serving(tmp_path):
     rig = make_rig(10, {"alice": 5})
     path = tmp_path / "limits.json"
