@@ -3,21 +3,24 @@ answers, a designed fallback while it does not.
 
 ``StoreBudget`` is the ``BudgetSource`` an engine spends from when
 ``--output-rate-store`` is set. While the store answers it is exactly the
-claimed balances (``pacing.claims``). When the store stops answering
-(``ClaimedBalances.store_down_since_ns``), an engine first spends what it holds,
-then paces each user locally at ``R / N_live`` (``fallback_rate``: its share of
-the global limit, ``N_live`` the live engines the store last reported), so the
-fleet together stays near ``R``. After ``failure_after_ns`` of outage the
-failure mode decides (``FailureMode``): keep that local share (the default),
-fail open (no limit) or fail closed (every limited user paused).
+claimed balances (``pacing.claims``). Once the store has not answered for
+``DEGRADED_AFTER_NS`` (``ClaimedBalances.store_down_since_ns``), an engine
+first spends what it holds, then paces each user locally at ``R / N_live``
+(``fallback_rate``: its share of the global limit, ``N_live`` the live engines
+the store last reported), so the fleet together stays near ``R``. After
+``failure_after_ns`` of outage the failure mode decides (``FailureMode``): keep
+that local share (the default), fail open (no limit) or fail closed (every
+limited user paused).
 
 Each state is one of ``Health``; every change of state is announced through
 ``limit_changes`` (a budget may shrink: leaving fail-open, entering
 fail-closed, losing the local share when the store returns), so the
 scheduler's cached lower bounds never outlive the state they were read in.
-When the store returns, the cell has decayed while the engines spent their
-shares locally, so the next claims are judged from a bucket at most full: no
-burst beyond the single-engine bound. The clock is injected.
+
+Tokens spent from a local share are not charged to the store's cell, which
+decays meanwhile: over a window that holds an outage's end, each engine may
+add what its share granted in that window to the global bound. The clock is
+injected.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from pacing.store_settings import FailureMode
 #: How long a fail-closed engine waits before looking again on its own (a
 #: claim landing wakes it sooner).
 CLOSED_RECHECK_NS = 1_000_000_000
+#: How long the store must have been unreachable before the local share
+#: stands in: a few timed-out round trips on a loaded host are not an outage
+#: (the engine spends what it holds meanwhile), and each switch to the share
+#: hands out tokens the store's cell never sees.
+DEGRADED_AFTER_NS = 500_000_000
 
 
 class Health(enum.Enum):
@@ -62,7 +70,8 @@ class StoreBudget:
         self._clock = clock
         self._failure_mode = failure_mode
         self._failure_after_ns = failure_after_ns
-        #: Local GCRA cells at each user's share; rates set as users need them.
+        #: Local GCRA cells at each user's share (rates set as users need
+        #: them), kept across outages.
         self._share = OutputRateLimiter(1, {}, burst_ns=rates.burst_ns)
         self._share_rates: dict[str, int] = {}
         self._health = Health.GLOBAL
@@ -71,7 +80,7 @@ class StoreBudget:
     def health(self, now_ns: int) -> Health:
         """The state at ``now_ns`` (a change is counted in ``limit_changes``)."""
         down_since = self.claimed.store_down_since_ns
-        if down_since is None:
+        if down_since is None or now_ns - down_since < DEGRADED_AFTER_NS:
             health = Health.GLOBAL
         elif now_ns - down_since < self._failure_after_ns:
             health = Health.LOCAL_SHARE
@@ -84,9 +93,6 @@ class StoreBudget:
         if health is not self._health:
             self._health = health
             self._health_changes += 1
-            if health is Health.GLOBAL:  # the next outage starts afresh
-                self._share = OutputRateLimiter(1, {}, burst_ns=self._rates.burst_ns)
-                self._share_rates = {}
         return health
 
     # -- the budget source -------------------------------------------------------

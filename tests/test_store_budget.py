@@ -9,7 +9,7 @@ import pytest
 
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S, UNLIMITED, OutputRateLimiter
-from pacing.store_budget import Health, StoreBudget
+from pacing.store_budget import DEGRADED_AFTER_NS, Health, StoreBudget
 from pacing.store_settings import FailureMode
 from tools.fake_clock import FakeClock
 
@@ -38,6 +38,12 @@ def budget_with(
     return budget, claimed, clock
 
 
+def store_down(claimed: ClaimedBalances, clock: FakeClock) -> None:
+    """The store stops answering now and stays down past DEGRADED_AFTER_NS."""
+    claimed.record_store_failure(clock())
+    clock.advance_ms(DEGRADED_AFTER_NS // MS)
+
+
 def greedy(budget: StoreBudget, clock: FakeClock, seconds: float) -> int:
     """Tokens "u" gets taking all it may every 10 ms for ``seconds``."""
     got = 0
@@ -58,7 +64,7 @@ def test_while_the_store_answers_the_budget_is_the_claimed_balance():
 def test_an_outage_spends_what_is_held_then_paces_at_the_engines_share():
     budget, claimed, clock = budget_with(held=30)
     changes = budget.limit_changes
-    claimed.record_store_failure(clock())
+    store_down(claimed, clock)
     assert budget.health(clock()) is Health.LOCAL_SHARE
     assert budget.limit_changes == changes + 1
     share = RATE // LIVE_ENGINES  # 25 tok/s
@@ -70,7 +76,7 @@ def test_an_outage_spends_what_is_held_then_paces_at_the_engines_share():
 
 def test_an_unlimited_user_stays_unlimited_in_an_outage():
     budget, claimed, clock = budget_with(held=0)
-    claimed.record_store_failure(clock())
+    store_down(claimed, clock)
     assert budget.take_up_to("vip", 7, clock()) == (7, UNLIMITED - 7)
     assert budget.available("vip", clock()) == UNLIMITED
 
@@ -85,8 +91,8 @@ def test_an_unlimited_user_stays_unlimited_in_an_outage():
 )
 def test_after_the_failure_time_the_failure_mode_decides(mode, health, after):
     budget, claimed, clock = budget_with(held=0, mode=mode)
-    claimed.record_store_failure(clock())
-    clock.advance_ms(FAILURE_AFTER_NS // MS - 1)
+    store_down(claimed, clock)
+    clock.advance_ms((FAILURE_AFTER_NS - DEGRADED_AFTER_NS) // MS - 1)
     assert budget.health(clock()) is Health.LOCAL_SHARE
     changes = budget.limit_changes
     clock.advance_ms(1)
@@ -99,7 +105,7 @@ def test_after_the_failure_time_the_failure_mode_decides(mode, health, after):
 
 def test_when_the_store_returns_the_local_share_is_gone_and_announced():
     budget, claimed, clock = budget_with(held=0)
-    claimed.record_store_failure(clock())
+    store_down(claimed, clock)
     clock.advance_ms(1000)
     assert budget.available("u", clock()) > 0  # the share
     changes = budget.limit_changes
@@ -111,7 +117,7 @@ def test_when_the_store_returns_the_local_share_is_gone_and_announced():
 
 def test_charges_already_dispatched_in_an_outage_spend_held_then_the_share():
     budget, claimed, clock = budget_with(held=2)
-    claimed.record_store_failure(clock())
+    store_down(claimed, clock)
     budget.take_each({"u": 10}, clock())  # 2 held, 8 from the share (in debt)
     assert claimed.available("u", clock()) == 0
     # The share, 25 tok/s (40 ms a token) from a full bucket, was charged 8:
@@ -121,3 +127,13 @@ def test_charges_already_dispatched_in_an_outage_spend_held_then_the_share():
     assert budget.available("u", clock()) == 0
     clock.advance_ms(1)
     assert budget.available("u", clock()) == 1
+
+
+def test_a_few_failed_round_trips_are_not_an_outage():
+    # A loaded host times out a round trip now and then: the engine spends what
+    # it holds and takes nothing from a local share, which the cell never sees.
+    budget, claimed, clock = budget_with(held=0)
+    claimed.record_store_failure(clock())
+    clock.advance_ms(DEGRADED_AFTER_NS // MS - 1)
+    assert budget.health(clock()) is Health.GLOBAL
+    assert budget.take_up_to("u", 5, clock())[0] == 0
