@@ -101,23 +101,26 @@ async def stream(
     recorded as ``tools.measure`` does; ``paced_as`` is the user the key maps
     to, under which the result is counted."""
     result = StreamResult(user=paced_as, started_at=time.monotonic())
-    chunks = await api.completions.create(
-        model=model,
-        prompt="hello world",
-        max_tokens=max_tokens,
-        stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"ignore_eos": True},
-        **forged,  # type: ignore[arg-type]
-    )
-    async for chunk in chunks:
-        now = time.monotonic()
-        usage = chunk.usage
-        count = usage.completion_tokens if usage else result.completion_tokens
-        result.token_times.extend([now] * (count - result.completion_tokens))
-        result.completion_tokens = count
-        for choice in chunk.choices:
-            result.finish_reason = choice.finish_reason or result.finish_reason
+    # Closed here, in its event loop: a client left to the garbage collector
+    # closes its connections later, in whatever test then runs.
+    async with api:
+        chunks = await api.completions.create(
+            model=model,
+            prompt="hello world",
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+            **forged,  # type: ignore[arg-type]
+        )
+        async for chunk in chunks:
+            now = time.monotonic()
+            usage = chunk.usage
+            count = usage.completion_tokens if usage else result.completion_tokens
+            result.token_times.extend([now] * (count - result.completion_tokens))
+            result.completion_tokens = count
+            for choice in chunk.choices:
+                result.finish_reason = choice.finish_reason or result.finish_reason
     result.finished_at = time.monotonic()
     return result
 
@@ -202,13 +205,14 @@ def test_a_client_sent_vllm_xargs_id_is_refused_through_the_gateway(
     header_server, gateway
 ):
     async def forge() -> openai.BadRequestError:
-        with pytest.raises(openai.BadRequestError) as info:
-            await client(gateway, "sk-bob").completions.create(
-                model=header_server.model,
-                prompt="hi",
-                max_tokens=3,
-                extra_body={"vllm_xargs": {"output_rate_user": FORGED}},
-            )
+        async with client(gateway, "sk-bob") as api:
+            with pytest.raises(openai.BadRequestError) as info:
+                await api.completions.create(
+                    model=header_server.model,
+                    prompt="hi",
+                    max_tokens=3,
+                    extra_body={"vllm_xargs": {"output_rate_user": FORGED}},
+                )
         return info.value
 
     error = asyncio.run(forge())

@@ -49,6 +49,15 @@ def serve_parser() -> FlexibleArgumentParser:
     return make_arg_parser(FlexibleArgumentParser())
 
 
+@pytest.fixture(autouse=True)
+def _default_control_port_taken_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing the flags runs the start-up checks, which bind the control
+    plane's address: with the default one (127.0.0.1:50151) these tests failed
+    whenever a server on the same machine held it. What they test is parsing;
+    the port check has its own test (test_startup_checks)."""
+    monkeypatch.setattr("control.preflight.check_port_free", lambda address: None)
+
+
 def test_serve_parser_accepts_the_flags(serve_parser):
     args = serve_parser.parse_args(
         [

@@ -341,6 +341,9 @@ def test_the_store_password_is_read_where_it_connects_not_in_the_api_process(
             STORE_URL,
             PASSWORD_FILE_FLAG,
             str(password),
+            # The default address may be taken on a shared machine.
+            "--output-rate-control-address",
+            "off",
         ]
     )
     additional = AsyncEngineArgs.from_cli_args(args).additional_config
