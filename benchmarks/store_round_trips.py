@@ -19,12 +19,12 @@ import argparse
 import statistics
 import threading
 import time
-from collections.abc import Mapping
 
-from pacing.claims import ClaimedBalances, Request
+from pacing.claims import ClaimedBalances
 from pacing.limiter import OutputRateLimiter
 from store.claimer import Claimer
-from store.redis_store import Exchange, RedisStore, connect
+from store.redis_store import connect
+from tools.counting_store import CountingStore
 from tools.redis_server import redis_server
 
 
@@ -44,24 +44,6 @@ class TimedLock:
         if threading.current_thread().name == "output-rate-claimer":
             self.claimer_holds.append(time.perf_counter() - self._since)
         self._lock.release()
-
-
-class CountingStore(RedisStore):
-    """The real store, counting claims and granted tokens."""
-
-    claims = 0
-    granted = 0
-
-    def exchange(
-        self,
-        claims: Mapping[str, Request],
-        returns: Mapping[str, Request],
-        heartbeat: tuple[str, int] | None = None,
-    ) -> Exchange:
-        answer = super().exchange(claims, returns, heartbeat)
-        self.claims += len(claims)
-        self.granted += sum(grant.granted for grant in answer.grants.values())
-        return answer
 
 
 class Engine:

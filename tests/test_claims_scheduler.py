@@ -6,34 +6,14 @@ scheduler on a fake clock; the store is fakeredis (its script tests run on a rea
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import fakeredis
 
 from pacing.claims import ClaimedBalances, Request
 from store.claimer import Claimer
-from store.redis_store import Exchange, RedisStore
+from tools.counting_store import CountingStore
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
 from tools.scheduler_harness import make_request
-
-
-class CountingStore(RedisStore):
-    """The real store, counting the tokens it granted and was given back."""
-
-    granted = 0
-    returned = 0
-
-    def exchange(
-        self,
-        claims: Mapping[str, Request],
-        returns: Mapping[str, Request],
-        heartbeat: tuple[str, int] | None = None,
-    ) -> Exchange:
-        answer = super().exchange(claims, returns, heartbeat)
-        self.granted += sum(grant.granted for grant in answer.grants.values())
-        self.returned += sum(request.tokens for request in returns.values())
-        return answer
 
 
 @MODES
