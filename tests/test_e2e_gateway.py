@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -30,7 +32,7 @@ from tests.nginx_gateway import (
     start_gateway,
 )
 from tools.local_server import VllmServer, free_port, start_server
-from tools.measure import StreamResult, assert_paced, rates_by_user
+from tools.measure import StreamResult, UserRate, most_tokens, rates_by_user
 
 HEADER = "X-User-Id"
 DEFAULT_RATE = 1000
@@ -143,6 +145,63 @@ def charged(server: VllmServer, user: str) -> int:
     return 0 if state is None else state.tokens_charged
 
 
+@dataclass
+class Read:
+    """The users' charged tokens, read by the server somewhere between
+    ``sent`` and ``received`` (client clock)."""
+
+    sent: float
+    received: float
+    charged: dict[str, int]
+
+
+def poll_charged(server: VllmServer, reads: list[Read], stop: threading.Event) -> None:
+    while not stop.is_set():
+        sent = time.monotonic()
+        counts = {user: charged(server, user) for user in LIMITS}
+        reads.append(Read(sent, time.monotonic(), counts))
+        stop.wait(0.25)
+
+
+def assert_at_most_gcra(rate: UserRate, limit: int) -> None:
+    """GCRA's bound over the window from the first request sent to the last
+    token at the client: it holds every charge."""
+    ceiling = most_tokens([(0.0, limit)], rate.window_s)
+    report = (
+        f"{rate.user}: {rate.tokens} tokens sent to last {rate.window_s:.3f} s "
+        f"(at most {ceiling:.1f} allowed); limit {limit}"
+    )
+    print(f"\n{report}")
+    assert rate.tokens <= ceiling, report
+
+
+def assert_at_least_the_limit(
+    reads: list[Read], user: str, before: int, total: int, limit: int
+) -> None:
+    """At least 97 % of the limit, on the server's own counters: between the
+    first read that saw a token charged and the last that saw fewer than all,
+    the user had a request waiting every moment (a request ends only after
+    its last token is charged), and the server's interval between the two
+    reads is at least from the first's reply to the second's sending. The
+    client's first-to-last-token span is not used: on a loaded machine it
+    stretches by however late the last tokens are delivered."""
+    started = [r for r in reads if r.charged[user] - before >= 1]
+    unfinished = [r for r in reads if r.charged[user] - before < total]
+    assert started and unfinished, f"{user}: no read while it was paced"
+    first, last = started[0], unfinished[-1]
+    interval = last.sent - first.received
+    got = last.charged[user] - first.charged[user]
+    floor = 0.97 * limit * interval
+    report = (
+        f"{user}: {got} tokens charged over at least {interval:.3f} s of the "
+        f"server's time = {got / interval:.2f} tok/s (at least {floor:.1f} "
+        f"needed); limit {limit}"
+    )
+    print(f"\n{report}")
+    assert interval >= 2.0, report  # long enough to say something
+    assert got >= floor, report
+
+
 @pytest.mark.server
 def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
     header_server, gateway
@@ -179,7 +238,17 @@ def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
             ),
         )
 
-    results = asyncio.run(scenario())
+    reads: list[Read] = []
+    stop = threading.Event()
+    poller = threading.Thread(
+        target=poll_charged, args=(header_server, reads, stop), daemon=True
+    )
+    poller.start()
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        stop.set()
+        poller.join()
     for result in results:
         assert result.completion_tokens == len(result.token_times)
         assert result.finish_reason == "length"
@@ -187,10 +256,12 @@ def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
     assert rates["alice"].tokens == rates["bob"].tokens == 300
     print(
         f"\nbehind nginx: alice (2 keys) {rates['alice'].tokens_per_s:.2f} tok/s, "
-        f"bob {rates['bob'].tokens_per_s:.2f} tok/s"
+        f"bob {rates['bob'].tokens_per_s:.2f} tok/s (first to last token at the "
+        "client)"
     )
-    assert_paced(rates["alice"], LIMITS["alice"])
-    assert_paced(rates["bob"], LIMITS["bob"])
+    for user in LIMITS:
+        assert_at_most_gcra(rates[user], LIMITS[user])
+        assert_at_least_the_limit(reads, user, before[user], 300, LIMITS[user])
     # The engine charged exactly those tokens to the keys' users, none to the
     # forged id.
     assert {user: charged(header_server, user) - before[user] for user in LIMITS} == {
