@@ -13,18 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
 
-from protos.outputrate.v1 import output_rate_pb2 as pb
-from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.nginx_gateway import (
     README_EXAMPLE,
     Gateway,
@@ -32,7 +27,8 @@ from tests.nginx_gateway import (
     start_gateway,
 )
 from tools.local_server import VllmServer, free_port, start_server
-from tools.measure import StreamResult, UserRate, most_tokens, rates_by_user
+from tools.measure import StreamResult, assert_at_most_gcra, rates_by_user
+from tools.server_counters import ChargedReads, charged, user_state
 
 HEADER = "X-User-Id"
 DEFAULT_RATE = 1000
@@ -127,81 +123,6 @@ async def stream(
     return result
 
 
-def user_state(server: VllmServer, user: str) -> pb.UserState | None:
-    """The engine's state of ``user``; None when the engine never saw it."""
-    assert server.control_address is not None
-    with grpc.insecure_channel(server.control_address) as channel:
-        stub = pb_grpc.OutputRateControlStub(channel)
-        try:
-            return stub.GetUserState(pb.GetUserStateRequest(name=f"userStates/{user}"))
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            return None
-
-
-def charged(server: VllmServer, user: str) -> int:
-    state = user_state(server, user)
-    return 0 if state is None else state.tokens_charged
-
-
-@dataclass
-class Read:
-    """The users' charged tokens, read by the server somewhere between
-    ``sent`` and ``received`` (client clock)."""
-
-    sent: float
-    received: float
-    charged: dict[str, int]
-
-
-def poll_charged(server: VllmServer, reads: list[Read], stop: threading.Event) -> None:
-    while not stop.is_set():
-        sent = time.monotonic()
-        counts = {user: charged(server, user) for user in LIMITS}
-        reads.append(Read(sent, time.monotonic(), counts))
-        stop.wait(0.25)
-
-
-def assert_at_most_gcra(rate: UserRate, limit: int) -> None:
-    """GCRA's bound over the window from the first request sent to the last
-    token at the client: it holds every charge."""
-    ceiling = most_tokens([(0.0, limit)], rate.window_s)
-    report = (
-        f"{rate.user}: {rate.tokens} tokens sent to last {rate.window_s:.3f} s "
-        f"(at most {ceiling:.1f} allowed); limit {limit}"
-    )
-    print(f"\n{report}")
-    assert rate.tokens <= ceiling, report
-
-
-def assert_at_least_the_limit(
-    reads: list[Read], user: str, before: int, total: int, limit: int
-) -> None:
-    """At least 97 % of the limit, on the server's own counters: between the
-    first read that saw a token charged and the last that saw fewer than all,
-    the user had a request waiting every moment (a request ends only after
-    its last token is charged), and the server's interval between the two
-    reads is at least from the first's reply to the second's sending. The
-    client's first-to-last-token span is not used: on a loaded machine it
-    stretches by however late the last tokens are delivered."""
-    started = [r for r in reads if r.charged[user] - before >= 1]
-    unfinished = [r for r in reads if r.charged[user] - before < total]
-    assert started and unfinished, f"{user}: no read while it was paced"
-    first, last = started[0], unfinished[-1]
-    interval = last.sent - first.received
-    got = last.charged[user] - first.charged[user]
-    floor = 0.97 * limit * interval
-    report = (
-        f"{user}: {got} tokens charged over at least {interval:.3f} s of the "
-        f"server's time = {got / interval:.2f} tok/s (at least {floor:.1f} "
-        f"needed); limit {limit}"
-    )
-    print(f"\n{report}")
-    assert interval >= 2.0, report  # long enough to say something
-    assert got >= floor, report
-
-
 @pytest.mark.server
 def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
     header_server, gateway
@@ -209,7 +130,6 @@ def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
     """alice's two keys (one sending another user's header, one an unlisted id
     in the header and as the OpenAI ``user``) share alice's 20 tok/s; bob,
     sending alice's id, keeps his own 40 tok/s beside them."""
-    before = {user: charged(header_server, user) for user in LIMITS}
     model = header_server.model
 
     async def scenario() -> list[StreamResult]:
@@ -238,17 +158,9 @@ def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
             ),
         )
 
-    reads: list[Read] = []
-    stop = threading.Event()
-    poller = threading.Thread(
-        target=poll_charged, args=(header_server, reads, stop), daemon=True
-    )
-    poller.start()
-    try:
+    address = header_server.control_address
+    with ChargedReads([address], LIMITS) as counters:
         results = asyncio.run(scenario())
-    finally:
-        stop.set()
-        poller.join()
     for result in results:
         assert result.completion_tokens == len(result.token_times)
         assert result.finish_reason == "length"
@@ -261,14 +173,13 @@ def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
     )
     for user in LIMITS:
         assert_at_most_gcra(rates[user], LIMITS[user])
-        assert_at_least_the_limit(reads, user, before[user], 300, LIMITS[user])
+        counters.assert_at_least_the_limit(user, 300, LIMITS[user])
     # The engine charged exactly those tokens to the keys' users, none to the
     # forged id.
-    assert {user: charged(header_server, user) - before[user] for user in LIMITS} == {
-        "alice": 300,
-        "bob": 300,
-    }
-    assert user_state(header_server, FORGED) is None
+    assert {
+        user: charged(address, user) - counters.before[user] for user in LIMITS
+    } == {"alice": 300, "bob": 300}
+    assert user_state(address, FORGED) is None
 
 
 @pytest.mark.server
@@ -296,7 +207,7 @@ def test_a_client_sent_vllm_xargs_id_is_refused_through_the_gateway(
         "param": "vllm_xargs.output_rate_user",
         "code": 400,
     }
-    assert user_state(header_server, FORGED) is None
+    assert user_state(header_server.control_address, FORGED) is None
 
 
 @pytest.mark.server
@@ -319,7 +230,7 @@ def test_the_gateway_and_the_server_refuse_requests_without_a_user(
         "no user id: request header x-user-id is missing or empty; this server "
         "charges every request to a user (--output-rate-require-user)"
     )
-    assert user_state(header_server, "__anonymous__") is None
+    assert user_state(header_server.control_address, "__anonymous__") is None
     # A served request through the gateway, for contrast.
     response = httpx.post(
         f"{gateway.base_url}/v1/completions",

@@ -7,25 +7,27 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import httpx
 import pytest
 
 from protos.outputrate.v1 import output_rate_pb2 as pb
-from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.conftest import SERVER_LIMITS
 from tools.measure import (
     StreamResult,
-    assert_paced,
+    assert_at_most_gcra,
     bracketed,
     rates_by_user,
     run_streams,
 )
+from tools.server_counters import ChargedReads, user_state
 
 pytestmark = pytest.mark.server
 
 LIMITS = SERVER_LIMITS["users"]
 TOKENS = 200
+#: B's tokens: 4 s at its 100 tok/s, long enough for a floor on the server's
+#: counters (``tools.server_counters.MIN_INTERVAL_S``).
+B_TOKENS = 400
 C_USER = "user-fast"
 
 
@@ -49,18 +51,22 @@ def test_users_a_and_b_are_held_to_their_limits_side_by_side(vllm_server, a_stre
         # B joins once A's requests are in: B's 2 s span is short enough that
         # its first token, delayed behind A's admission, would shrink it.
         await asyncio.sleep(0.5)
-        b = await run_streams(url, model, [("user-b", TOKENS)])
+        b = await run_streams(url, model, [("user-b", B_TOKENS)])
         return [*await a, *b]
 
-    results = asyncio.run(scenario())
-    assert_complete(results)
+    users = ("user-a", "user-b")
+    with ChargedReads([vllm_server.control_address], users) as counters:
+        results = asyncio.run(scenario())
+    for result in results:
+        assert_complete([result], TOKENS if result.user == "user-a" else B_TOKENS)
     rates = rates_by_user(results)
     print(
         f"\nA ({a_streams} streams): {rates['user-a'].tokens_per_s:.2f} tok/s, "
-        f"B: {rates['user-b'].tokens_per_s:.2f} tok/s"
+        f"B: {rates['user-b'].tokens_per_s:.2f} tok/s (first to last at the client)"
     )
-    assert_paced(rates["user-a"], LIMITS["user-a"])
-    assert_paced(rates["user-b"], LIMITS["user-b"])
+    for user, total in (("user-a", a_streams * TOKENS), ("user-b", B_TOKENS)):
+        assert_at_most_gcra(rates[user], LIMITS[user])
+        counters.assert_at_least_the_limit(user, total, LIMITS[user])
 
 
 def test_unthrottled_user_keeps_its_speed_beside_a_throttled_user(vllm_server):
@@ -101,14 +107,7 @@ def test_unthrottled_user_keeps_its_speed_beside_a_throttled_user(vllm_server):
 
 
 def _user_state(server, user: str) -> pb.UserState:
-    with grpc.insecure_channel(server.control_address) as channel:
-        stub = pb_grpc.OutputRateControlStub(channel)
-        try:
-            return stub.GetUserState(pb.GetUserStateRequest(name=f"userStates/{user}"))
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            return pb.UserState()
+    return user_state(server.control_address, user) or pb.UserState()
 
 
 async def _c_rate(server) -> float:
@@ -118,9 +117,12 @@ async def _c_rate(server) -> float:
 
 
 def test_request_without_user_is_limited_as_anonymous(vllm_server):
-    results = run(vllm_server, [(None, 100)] * 2)
+    anonymous = "__anonymous__"
+    with ChargedReads([vllm_server.control_address], [anonymous]) as counters:
+        results = run(vllm_server, [(None, 100)] * 2)
     assert_complete(results, 100)
-    assert_paced(rates_by_user(results)[None], LIMITS["__anonymous__"])
+    assert_at_most_gcra(rates_by_user(results)[None], LIMITS[anonymous])
+    counters.assert_at_least_the_limit(anonymous, 200, LIMITS[anonymous])
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,12 @@ from tools.measure import (
     Bracketed,
     StreamResult,
     UserRate,
-    assert_paced,
+    assert_at_most_gcra,
     bracketed,
     most_tokens,
     rates_by_user,
 )
+from tools.server_counters import Read, assert_at_least_the_limit
 
 
 def test_rate_is_tokens_over_first_to_last_token_span():
@@ -135,12 +136,33 @@ def test_bracketed_raises_the_error_of_a_failed_load():
         asyncio.run(bracketed(measure, load, cycles=1, settle_s=0.01))
 
 
-def test_assert_paced_holds_between_97_percent_and_gcras_bound():
-    # 20 tok/s: 10 s first to last token, 10.2 s from sending (ceiling
-    # (10.2 + 0.1) * 20 + 1 = 207).
-    assert_paced(UserRate("u", 200, 10.0, 10.2), 20)
-    assert_paced(UserRate("u", 194, 10.0, 10.2), 20)  # 97 %: the floor
-    with pytest.raises(AssertionError, match=r"at least 194\.0 needed"):
-        assert_paced(UserRate("u", 193, 10.0, 10.2), 20)
+def test_assert_at_most_gcra_holds_up_to_gcras_bound():
+    # 20 tok/s, 10.2 s from sending: ceiling (10.2 + 0.1) * 20 + 1 = 207.
+    assert_at_most_gcra(UserRate("u", 207, 10.0, 10.2), 20)
     with pytest.raises(AssertionError, match=r"at most 207\.0 allowed"):
-        assert_paced(UserRate("u", 208, 10.0, 10.2), 20)
+        assert_at_most_gcra(UserRate("u", 208, 10.0, 10.2), 20)
+
+
+def read(sent: float, count: int) -> Read:
+    return Read(sent, sent + 0.01, {"u": count})
+
+
+def test_the_server_side_floor_spans_first_started_to_last_unfinished_read():
+    # 100 tokens at 20 tok/s from t=1: reads every 0.5 s; the first read that saw
+    # a charge answered at 1.51, the last unfinished one was sent at 5.5.
+    reads = [read(k / 2, max(0, min(100, round(20 * (k / 2 - 1))))) for k in range(14)]
+    assert_at_least_the_limit(reads, "u", before=0, total=100, limit=20)
+    # The same counts at 21 tok/s's limit: 80 tokens over 3.99 s is below 97 %.
+    with pytest.raises(AssertionError, match=r"at least 81\.3 needed"):
+        assert_at_least_the_limit(reads, "u", before=0, total=100, limit=21)
+
+
+def test_the_server_side_floor_needs_a_long_enough_interval():
+    reads = [read(0.0, 0), read(1.0, 10), read(2.0, 30), read(3.0, 40)]
+    with pytest.raises(AssertionError, match=r"over at least 0\.990 s"):
+        assert_at_least_the_limit(reads, "u", before=0, total=40, limit=20)
+
+
+def test_the_server_side_floor_needs_a_read_while_paced():
+    with pytest.raises(AssertionError, match="no read while it was paced"):
+        assert_at_least_the_limit([read(0.0, 5)], "u", before=5, total=10, limit=20)

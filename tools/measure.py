@@ -7,8 +7,9 @@ charge.
 Which window proves what. A token reaches the client some time after the server
 charged it, and that delay varies (a busy client or machine). A late first token
 makes the first-to-last span shorter than the span over which the server charged
-the tokens, so that span cannot prove a ceiling; it can be longer only by the last
-token's delay, so it serves the floor ("not paced too slowly"). The window from the
+the tokens, so that span cannot prove a ceiling; a late last token makes it longer,
+so on a loaded machine it cannot prove a floor either (the floor is measured on the
+server's counters: ``tools.server_counters``). The window from the
 user's first request being sent to its last token surely holds every charge (the
 scheduler charges a token in a step it schedules after the request reached it, and
 the token leaves after that), so GCRA's ceiling over it holds whatever the delays:
@@ -228,18 +229,16 @@ async def bracketed(
     return Bracketed(alone=alone, beside=beside)
 
 
-def assert_paced(rate: UserRate, limit: int) -> None:
+def assert_at_most_gcra(rate: UserRate, limit: float) -> None:
     """At most GCRA's bound over the window from the first request sent to the
-    last token, which holds every charge however late tokens reach the client;
-    at least 97 % of the limit from first to last token, a span that delays can
-    only stretch by the last token's delay. Prints what it compared."""
-    n, floor = rate.tokens, 0.97 * rate.span_s * limit
+    last token at the client, which holds every charge however late tokens
+    reach the client. (The floor is measured on the server's counters:
+    ``tools.server_counters``.) Prints what it compared."""
     ceiling = most_tokens([(0.0, limit)], rate.window_s)
     report = (
-        f"{rate.user}: {n} tokens; first to last {rate.span_s:.3f} s = "
-        f"{rate.tokens_per_s:.2f} tok/s (at least {floor:.1f} needed); "
-        f"sent to last {rate.window_s:.3f} s (at most {ceiling:.1f} allowed); "
-        f"limit {limit}"
+        f"{rate.user}: {rate.tokens} tokens; first to last {rate.span_s:.3f} s = "
+        f"{rate.tokens_per_s:.2f} tok/s; sent to last {rate.window_s:.3f} s "
+        f"(at most {ceiling:.1f} allowed); limit {limit}"
     )
     print(f"\n{report}")
-    assert floor <= n <= ceiling, report
+    assert rate.tokens <= ceiling, report

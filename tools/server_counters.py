@@ -1,0 +1,121 @@
+"""The floor of a paced rate measured on the server's own counters.
+
+A client's first-to-last-token span stretches by however late the last tokens
+are delivered, so on a loaded machine it under-reports the rate the server
+paced. The engine's ``tokens_charged`` (read over the control plane) does not:
+``ChargedReads`` polls it while users stream, and ``assert_at_least_the_limit``
+bounds the server's interval between two reads from below by the client's time
+between the first read's reply and the second's sending. Over several engines
+(scale-out) a read sums the engines' counters, and the same argument holds for
+the sum: each engine's counter only grows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+
+#: How often ``ChargedReads`` reads the counters.
+POLL_PERIOD_S = 0.25
+#: The shortest server interval a floor is asserted over: shorter ones are
+#: dominated by the one-token granularity of a count.
+MIN_INTERVAL_S = 2.0
+
+
+def user_state(control_address: str, user: str) -> pb.UserState | None:
+    """The engine's state of ``user``; None when the engine never saw it."""
+    with grpc.insecure_channel(control_address) as channel:
+        stub = pb_grpc.OutputRateControlStub(channel)
+        try:
+            return stub.GetUserState(pb.GetUserStateRequest(name=f"userStates/{user}"))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return None
+
+
+def charged(control_address: str, user: str) -> int:
+    state = user_state(control_address, user)
+    return 0 if state is None else state.tokens_charged
+
+
+@dataclass(frozen=True)
+class Read:
+    """The users' charged tokens, read by the server somewhere between
+    ``sent`` and ``received`` (client clock)."""
+
+    sent: float
+    received: float
+    charged: dict[str, int]
+
+
+class ChargedReads:
+    """Reads ``users``' charged tokens, summed over the engines at
+    ``control_addresses``, every ``POLL_PERIOD_S`` in a thread while the
+    ``with`` block runs; ``before`` is read before the block starts."""
+
+    def __init__(self, control_addresses: Iterable[str], users: Iterable[str]) -> None:
+        self._addresses = tuple(control_addresses)
+        self._users = tuple(users)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.reads: list[Read] = []
+        self.before: dict[str, int] = {}
+
+    def __enter__(self) -> ChargedReads:
+        self.before = self._read().charged
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _read(self) -> Read:
+        sent = time.monotonic()
+        counts = {
+            user: sum(charged(address, user) for address in self._addresses)
+            for user in self._users
+        }
+        return Read(sent, time.monotonic(), counts)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.reads.append(self._read())
+            self._stop.wait(POLL_PERIOD_S)
+
+    def assert_at_least_the_limit(self, user: str, total: int, limit: float) -> None:
+        assert_at_least_the_limit(self.reads, user, self.before[user], total, limit)
+
+
+def assert_at_least_the_limit(
+    reads: list[Read], user: str, before: int, total: int, limit: float
+) -> None:
+    """At least 97 % of the limit on the server's counters. Between the first
+    read that saw one of the user's ``total`` tokens charged and the last that
+    saw fewer than all, the user had a request waiting every moment (a request
+    ends only after its last token is charged), and the server's interval
+    between the two reads is at least from the first's reply to the last's
+    sending."""
+    started = [r for r in reads if r.charged[user] - before >= 1]
+    unfinished = [r for r in reads if r.charged[user] - before < total]
+    assert started and unfinished, f"{user}: no read while it was paced"
+    first, last = started[0], unfinished[-1]
+    interval = last.sent - first.received
+    got = last.charged[user] - first.charged[user]
+    floor = 0.97 * limit * interval
+    report = (
+        f"{user}: {got} tokens charged over at least {interval:.3f} s of the "
+        f"server's time = {got / max(interval, 1e-9):.2f} tok/s (at least "
+        f"{floor:.1f} needed); limit {limit}"
+    )
+    print(f"\n{report}")
+    assert interval >= MIN_INTERVAL_S, report  # long enough to say something
+    assert got >= floor, report
