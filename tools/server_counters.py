@@ -91,14 +91,23 @@ class ChargedReads:
             self.reads.append(self._read())
             self._stop.wait(POLL_PERIOD_S)
 
-    def assert_at_least_the_limit(self, user: str, total: int, limit: float) -> None:
-        assert_at_least_the_limit(self.reads, user, self.before[user], total, limit)
+    def assert_at_least_the_limit(
+        self, user: str, total: int, limit: float, share: float = 0.97
+    ) -> None:
+        assert_at_least_the_limit(
+            self.reads, user, self.before[user], total, limit, share
+        )
 
 
 def assert_at_least_the_limit(
-    reads: list[Read], user: str, before: int, total: int, limit: float
+    reads: list[Read],
+    user: str,
+    before: int,
+    total: int,
+    limit: float,
+    share: float = 0.97,
 ) -> None:
-    """At least 97 % of the limit on the server's counters. Between the first
+    """At least ``share`` of the limit on the server's counters. Between the first
     read that saw one of the user's ``total`` tokens charged and the last that
     saw fewer than all, the user had a request waiting every moment (a request
     ends only after its last token is charged), and the server's interval
@@ -110,7 +119,7 @@ def assert_at_least_the_limit(
     first, last = started[0], unfinished[-1]
     interval = last.sent - first.received
     got = last.charged[user] - first.charged[user]
-    floor = 0.97 * limit * interval
+    floor = share * limit * interval
     report = (
         f"{user}: {got} tokens charged over at least {interval:.3f} s of the "
         f"server's time = {got / max(interval, 1e-9):.2f} tok/s (at least "
