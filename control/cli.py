@@ -59,6 +59,15 @@ _STATE_COLUMNS = (
     ("RUNNING", "running_requests"),
     ("THROTTLED", "throttled_requests"),
 )
+#: Added to the states' table when the engine has a global store (``store``).
+_STORE_COLUMNS = (
+    ("HELD", "store_held_tokens"),
+    ("GLOBAL_TAT", "store_global_tat_lead_s"),
+    ("READ_AGO", "store_global_tat_read_age_s"),
+    ("STORE", "store_health"),
+)
+#: The keys of ``_store_dict`` (``store_`` and one of them name a store column).
+_STORE_KEYS = ("held_tokens", "global_tat_lead_s", "global_tat_read_age_s", "health")
 _LIMIT_COLUMNS = (
     ("USER", "user"),
     ("TOKENS/S", "tokens_per_second"),
@@ -361,7 +370,16 @@ def _emit_states(
     else:
         mode = _mode_name(client.call("GetPacingMode", _pb2.GetPacingModeRequest()))
     print(f"pacing mode: {mode}", file=out)
-    _print_table(out, states, _STATE_COLUMNS)
+    if any(state["store"] for state in states):
+        rows = [_with_store_columns(state) for state in states]
+        _print_table(out, rows, _STATE_COLUMNS + _STORE_COLUMNS)
+    else:
+        _print_table(out, states, _STATE_COLUMNS)
+
+
+def _with_store_columns(state: dict[str, Any]) -> dict[str, Any]:
+    store = state["store"] or {}
+    return {**state, **{f"store_{key}": store.get(key) for key in _STORE_KEYS}}
 
 
 def _watch(client: _Client, args: argparse.Namespace, out: TextIO) -> int:
@@ -543,6 +561,19 @@ def _state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "tier": names.tier_id(state.tier) or None,
         "shadow_skips": state.shadow_skips,
         "pacing_mode": _pb2.PacingMode.Mode.Name(state.pacing_mode).lower(),
+        "store": _store_dict(state.store) if state.HasField("store") else None,
+    }
+
+
+def _store_dict(view: _pb2.StoreView) -> dict[str, Any]:
+    age = view.global_tat_read_age
+    return {
+        "held_tokens": view.held_tokens,
+        "global_tat_lead_s": view.global_tat_lead.ToNanoseconds() / 1e9,
+        "global_tat_read_age_s": age.ToNanoseconds() / 1e9
+        if view.HasField("global_tat_read_age")
+        else None,
+        "health": _pb2.StoreView.Health.Name(view.health).lower(),
     }
 
 

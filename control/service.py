@@ -60,6 +60,7 @@ from control.table import (
     shown,
 )
 from pacing import global_limits
+from pacing.budget import StoreView, StoreViews
 from pacing.limiter import LimitSource, OutputRateLimiter
 from pacing.modes import Mode
 from pacing.shared import COLUMNS, Reading, SharedLimiter, UserSnapshot
@@ -159,6 +160,8 @@ class UserState:
     tier: str | None  #: the user's tier, whichever rule decided
     shadow_skips: int
     mode: Mode
+    #: With a global store, the user's budget there as this engine sees it.
+    store: StoreView | None = None
 
 
 @dataclass(frozen=True)
@@ -594,7 +597,7 @@ class LimitsService:
                     f"{shown(names.user_state_name(user))}: the limiter does "
                     "not know this user (no entry, request or counters)"
                 )
-            return self._state(reading, user)
+            return self._states(reading, [user])[0]
 
     def list_user_states(
         self, page_size: int, page_token: str, order_by: str
@@ -612,7 +615,7 @@ class LimitsService:
                 position = tuple(after)
                 keys = [key for key in keys if key > position]
             page = heapq.nsmallest(size + 1, keys)
-            states = [self._state(reading, key[-1]) for key in page[:size]]
+            states = self._states(reading, [key[-1] for key in page[:size]])
         token = ""
         if len(page) > size:
             token = self._tokens.encode(scope, list(page[size - 1]))
@@ -659,7 +662,7 @@ class LimitsService:
             else:
                 keys = plan.order.keys(reading, self._users(reading))
                 users = [key[-1] for key in heapq.nsmallest(plan.max_users, keys)]
-            return [self._state(reading, u) for u in users]
+            return self._states(reading, users)
 
     # -- helpers -----------------------------------------------------------
 
@@ -705,17 +708,28 @@ class LimitsService:
             or user in limiter.exempt_users
         )
 
-    def _state(self, reading: Reading, user: str) -> UserState:
-        """``user``'s state with its limit's source. Requires shared.lock."""
+    def _states(self, reading: Reading, users: Iterable[str]) -> list[UserState]:
+        """Each of ``users``' state with its limit's source and, with a global
+        store, its view of the store. Requires shared.lock."""
         limiter = self._shared.limiter
-        counters = reading.counters.get(user)
-        return UserState(
-            snapshot=reading.snapshot(user),
-            source=limiter.limit_source(user),
-            tier=limiter.tier_of(user),
-            shadow_skips=0 if counters is None else counters.shadow_skips,
-            mode=self._shared.mode,
-        )
+        budget = self._shared.budget
+        views = budget if isinstance(budget, StoreViews) else None
+        states = []
+        for user in users:
+            counters = reading.counters.get(user)
+            states.append(
+                UserState(
+                    snapshot=reading.snapshot(user),
+                    source=limiter.limit_source(user),
+                    tier=limiter.tier_of(user),
+                    shadow_skips=0 if counters is None else counters.shadow_skips,
+                    mode=self._shared.mode,
+                    store=None
+                    if views is None
+                    else views.store_view(user, reading.now_ns),
+                )
+            )
+        return states
 
     def _etag(self) -> str:
         return f"{self._epoch}-{self._generation}"

@@ -23,6 +23,7 @@ from control.service import (
     TierSpec,
     UserState,
 )
+from pacing.budget import Health, StoreView
 from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
@@ -43,6 +44,12 @@ _SOURCES = {
     "default": _pb2.UserState.DEFAULT,
     "exempt": _pb2.UserState.EXEMPT,
     "off": _pb2.UserState.OFF,
+}
+_HEALTHS = {
+    Health.GLOBAL: _pb2.StoreView.GLOBAL,
+    Health.LOCAL_SHARE: _pb2.StoreView.LOCAL_SHARE,
+    Health.FAIL_OPEN: _pb2.StoreView.FAIL_OPEN,
+    Health.FAIL_CLOSED: _pb2.StoreView.FAIL_CLOSED,
 }
 
 
@@ -314,6 +321,18 @@ def _user_state(view: UserState) -> _pb2.UserState:
         tier="" if view.tier is None else names.tier_name(view.tier),
         shadow_skips=view.shadow_skips,
         pacing_mode=_MODES[view.mode],
+        store=None if view.store is None else _store_view(view.store),
+    )
+
+
+def _store_view(view: StoreView) -> _pb2.StoreView:
+    return _pb2.StoreView(
+        held_tokens=view.held_tokens,
+        global_tat_lead=_duration(view.global_tat_lead_ns),
+        global_tat_read_age=None
+        if view.read_age_ns is None
+        else _duration(view.read_age_ns),
+        health=_HEALTHS[view.health],
     )
 
 

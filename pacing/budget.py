@@ -11,12 +11,17 @@ its budget until its next charge, because a GCRA cell's budget only grows with
 time. Whatever can shrink a budget otherwise (a limit change; with a store, a
 claimed batch expiring or being returned) must bump ``limit_changes``: the
 scheduler then forgets every cached bound.
+
+A source backed by a global store can also say how a user stands there
+(``StoreViews``), for the control plane's reads.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 class BudgetSource(Protocol):
@@ -54,4 +59,37 @@ class BudgetSource(Protocol):
         """The earliest time, not before ``now_ns``, at which ``user`` may be
         able to take a token (a source that learns of new budget by other means,
         such as a claim landing, wakes the engine itself)."""
+        ...
+
+
+class Health(enum.Enum):
+    """Where an engine with a global store takes its tokens from now."""
+
+    GLOBAL = "global"  #: claimed from the store
+    LOCAL_SHARE = "local_share"  #: held tokens, then R / N_live locally
+    FAIL_OPEN = "fail_open"  #: no limit
+    FAIL_CLOSED = "fail_closed"  #: nothing for limited users
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """One user's global budget as this engine sees it; times in nanoseconds."""
+
+    #: Tokens held here for the user: claimed, not spent, lease not ended.
+    held_tokens: int
+    #: The store cell's TAT lead as this engine last read it, decayed since.
+    global_tat_lead_ns: int
+    #: How long ago that reading came back; ``None``: no reading held.
+    read_age_ns: int | None
+    #: The engine's state (anything but ``GLOBAL`` is degraded).
+    health: Health
+
+
+@runtime_checkable
+class StoreViews(Protocol):
+    """A budget source backed by a global store (``isinstance`` tells)."""
+
+    def store_view(self, user: str, now_ns: int) -> StoreView:
+        """``user``'s global budget as seen at ``now_ns``. Local, no I/O; call
+        under the lock that guards the source."""
         ...

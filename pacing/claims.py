@@ -31,6 +31,12 @@ Vocabulary:
 - *fallback share*: while the store cannot be reached, an engine paces each user
   locally at ``R / N_live`` (``fallback_rate``), ``N_live`` being the number of
   live engines the store last reported (``live_engines``).
+- *cell reading*: the user's global TAT lead (the store cell's debt as time) in
+  the store's answer to this engine's latest claim or return for the user, and
+  when it came back (``record_cell``, ``cell_reading``), for the control
+  plane's view. Kept while the user has an account here, and after that until
+  its lead has run out and a lease has passed since it came back: at most one
+  per active or recently seen user.
 
 Limits come from the engine's limiter (``rates``): a user it does not limit
 (exempt, or pacing without a default) is unlimited here too, and claims nothing.
@@ -91,6 +97,15 @@ class Request(NamedTuple):
 
     tokens: int
     rate: int
+
+
+class CellReading(NamedTuple):
+    """A user's global TAT lead as last read from the store, and its age."""
+
+    #: The lead then, less the time since (``0`` once it has run out).
+    tat_lead_ns: int
+    #: How long ago the reading came back, on this engine's clock.
+    age_ns: int
 
 
 @dataclass
@@ -199,6 +214,8 @@ class ClaimedBalances:
         self.live_engines = 1
         #: When the store stopped answering; ``None`` while it answers.
         self.store_down_since_ns: int | None = None
+        #: user -> (global TAT lead, when read): see *cell reading*.
+        self._cells: dict[str, tuple[int, int]] = {}
 
     # -- the budget source (the scheduler's side: no I/O) --------------------
 
@@ -262,6 +279,11 @@ class ClaimedBalances:
         (``UNLIMITED`` when it is not limited). Changes nothing."""
         if self._rates.rate_of(user) == 0:
             return UNLIMITED
+        return self.held(user, now_ns)
+
+    def held(self, user: str, now_ns: int) -> int:
+        """The tokens this engine holds for ``user`` at ``now_ns``: claimed,
+        not spent, lease not ended (0 without an account). Changes nothing."""
         account = self._accounts.get(user)
         if account is None:
             return 0
@@ -292,6 +314,7 @@ class ClaimedBalances:
         self._wanting.discard(user)
         if account is not None and account.held:
             self._returns[user] = self._returns.get(user, 0) + account.held
+        self._retire_cell(user, now_ns)
 
     def active_users(self) -> int:
         """How many users hold an account (took tokens within the last lease,
@@ -363,6 +386,25 @@ class ClaimedBalances:
             account = self._accounts.get(user)
             if account is not None:
                 account.in_flight = False
+
+    def record_cell(self, user: str, tat_lead_ns: int, now_ns: int) -> None:
+        """The store answered a claim or return for ``user`` at ``now_ns``: its
+        cell's TAT then ran ``tat_lead_ns`` ahead (its debt as time at the
+        request's rate). Replaces the user's earlier reading."""
+        self._cells[user] = (max(0, tat_lead_ns), now_ns)
+        if user not in self._accounts:
+            self._retire_cell(user, now_ns)
+
+    def cell_reading(self, user: str, now_ns: int) -> CellReading | None:
+        """``user``'s last cell reading seen from ``now_ns``: its lead less the
+        time since (the TAT stays put while nobody claims), never below 0;
+        ``None`` when there is none. Changes nothing."""
+        reading = self._cells.get(user)
+        if reading is None:
+            return None
+        lead_ns, read_ns = reading
+        age_ns = max(0, now_ns - read_ns)
+        return CellReading(max(0, lead_ns - age_ns), age_ns)
 
     def record_store_ok(self, live_engines: int | None = None) -> None:
         """The store answered; ``live_engines``, when it said, is the engines'
@@ -465,14 +507,17 @@ class ClaimedBalances:
     def _run_checks(self, now_ns: int) -> None:
         """Expires the batches whose lease ended by ``now_ns`` and forgets the
         accounts with nothing held, nothing in flight and no take for a lease (a
-        user the scheduler stopped asking about without ``end_user``). Each
-        account has one idleness check pending, plus one check per batch."""
+        user the scheduler stopped asking about without ``end_user``), and the
+        cell readings due (``_retire_cell``). Each account has one idleness
+        check pending, plus one check per batch; a reading of a user without an
+        account has one too."""
         checks = self._checks
         while checks and checks[0][0] <= now_ns:
             _, sequence, user = heapq.heappop(checks)
             account = self._accounts.get(user)
-            if account is None:
-                continue  # a forgotten account's
+            if account is None:  # a forgotten account's, or a cell reading's
+                self._forget_cell(user, now_ns)
+                continue
             self._expire(user, account, now_ns)
             if sequence != account.idle_check:
                 continue
@@ -484,3 +529,31 @@ class ClaimedBalances:
             else:
                 del self._accounts[user]
                 self._wanting.discard(user)
+                self._retire_cell(user, now_ns)
+
+    def _retire_cell(self, user: str, now_ns: int) -> None:
+        """``user`` has no account (any more): its cell reading is forgotten
+        when it is due (``_cell_due_ns``), checked then. Each reading of a user
+        without an account has such a check pending, so readings stay bounded."""
+        reading = self._cells.get(user)
+        if reading is None:
+            return
+        due_ns = self._cell_due_ns(reading)
+        if due_ns <= now_ns:
+            del self._cells[user]
+        else:
+            self._check(due_ns, user)
+
+    def _forget_cell(self, user: str, now_ns: int) -> None:
+        """Forgets the cell reading of ``user`` (who has no account) if it is
+        due by ``now_ns`` (a newer one has its own check pending)."""
+        reading = self._cells.get(user)
+        if reading is not None and self._cell_due_ns(reading) <= now_ns:
+            del self._cells[user]
+
+    def _cell_due_ns(self, reading: tuple[int, int]) -> int:
+        """When a reading ``(lead, read at)`` of a user without an account is
+        forgotten: its lead has run out, and it is a lease old (so that the
+        answer to a user's last return stays visible for a while)."""
+        lead_ns, read_ns = reading
+        return read_ns + max(lead_ns, self.lease_ns)

@@ -12,10 +12,11 @@ the store last reported), so the fleet together stays near ``R``. After
 that local share (the default), fail open (no limit) or fail closed (every
 limited user paused).
 
-Each state is one of ``Health``; every change of state is announced through
-``limit_changes`` (a budget may shrink: leaving fail-open, entering
-fail-closed, losing the local share when the store returns), so the
+Each state is one of ``Health`` (``pacing.budget``); every change of state is
+announced through ``limit_changes`` (a budget may shrink: leaving fail-open,
+entering fail-closed, losing the local share when the store returns), so the
 scheduler's cached lower bounds never outlive the state they were read in.
+``store_view`` shows a user's standing for the control plane.
 
 Tokens spent from a local share are not charged to the store's cell, which
 decays meanwhile: over a window that holds an outage's end, each engine may
@@ -25,9 +26,9 @@ injected.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 
+from pacing.budget import Health, StoreView
 from pacing.claims import ClaimedBalances, fallback_rate
 from pacing.limiter import UNLIMITED, OutputRateLimiter
 from pacing.store_settings import FailureMode
@@ -40,15 +41,6 @@ CLOSED_RECHECK_NS = 1_000_000_000
 #: (the engine spends what it holds meanwhile), and each switch to the share
 #: hands out tokens the store's cell never sees.
 DEGRADED_AFTER_NS = 500_000_000
-
-
-class Health(enum.Enum):
-    """Where an engine's tokens come from now."""
-
-    GLOBAL = "global"  #: claimed from the store
-    LOCAL_SHARE = "local_share"  #: held tokens, then R / N_live locally
-    FAIL_OPEN = "fail_open"  #: no limit
-    FAIL_CLOSED = "fail_closed"  #: nothing for limited users
 
 
 class StoreBudget:
@@ -162,6 +154,19 @@ class StoreBudget:
 
     def end_user(self, user: str, now_ns: int) -> None:
         self.claimed.end_user(user, now_ns)
+
+    # -- the control plane's view (``pacing.budget.StoreViews``) ---------------
+
+    def store_view(self, user: str, now_ns: int) -> StoreView:
+        """What this engine holds for ``user``, the user's global TAT lead as
+        last read (``ClaimedBalances.cell_reading``) and this engine's state."""
+        reading = self.claimed.cell_reading(user, now_ns)
+        return StoreView(
+            held_tokens=self.claimed.held(user, now_ns),
+            global_tat_lead_ns=0 if reading is None else reading.tat_lead_ns,
+            read_age_ns=None if reading is None else reading.age_ns,
+            health=self.health(now_ns),
+        )
 
     def _share_of(self, user: str, now_ns: int) -> OutputRateLimiter:
         """The local limiter, with ``user``'s rate set to its share now."""

@@ -8,7 +8,8 @@ send (``plan``), releases it for the round trip (claims, returns and, every
 again to hand the answers in (``landed``). A pass runs when poked (the scheduler
 saw a user start wanting: ``ClaimedBalances.wants_claims``) or every
 ``period_s``. When a grant lands for a user the engine may be idle-waiting on,
-``wake`` ends that wait.
+``wake`` ends that wait. Every answer's cell debt goes in too, as the user's
+global TAT lead (``ClaimedBalances.record_cell``), for the control plane.
 
 A store that does not answer is recorded in the balances
 (``record_store_failure``; the claims in flight are marked failed, their
@@ -33,6 +34,7 @@ from typing import Any
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S
 from pacing.store_stats import StoreStats
+from store.cell import MICRO
 from store.redis_store import RedisStore, StoreError
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -141,6 +143,12 @@ class Claimer:
             for user, grant in answer.grants.items():
                 self._balances.landed(user, grant.granted, grant.retry_after_ns, now_ns)
                 woke = woke or grant.granted > 0
+                lead_ns = tat_lead_ns(grant.debt, plan.claims[user].rate)
+                self._balances.record_cell(user, lead_ns, now_ns)
+            # After the claims: a user's return ran after its claim.
+            for user, returned in answer.returned.items():
+                lead_ns = tat_lead_ns(returned.debt, plan.returns[user].rate)
+                self._balances.record_cell(user, lead_ns, now_ns)
             if self._stats is not None:
                 self._stats.record_answered(
                     waited_ns,
@@ -162,3 +170,9 @@ class Claimer:
                 self.run_once()
             except Exception:  # a bug here must not end the claims for good
                 logger.exception("output-rate claimer pass failed")
+
+
+def tat_lead_ns(debt: int, rate: int) -> int:
+    """A cell's ``debt`` (micro-tokens, ``store.cell``) as how far its TAT runs
+    ahead, in nanoseconds at ``rate`` tokens/s, rounded up."""
+    return -(-debt * (NS_PER_S // MICRO) // rate)

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pacing.claims import (
+    CellReading,
     ClaimedBalances,
     Plan,
     Request,
@@ -393,6 +394,109 @@ def test_store_health_is_recorded_with_the_last_live_engines_count():
 def test_bad_settings_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         balances_at(**kwargs)
+
+
+# --------------------------------------------------------------------------
+# Cell readings: the user's global TAT as this engine last saw it
+# --------------------------------------------------------------------------
+
+
+class ReadingRow(NamedTuple):
+    """At ``now``, record a reading of ``lead`` ms (``None``: record nothing);
+    then ``want`` is ``cell_reading("a", now)`` as (lead ms, age ms)."""
+
+    now: int
+    lead: int | None
+    want: tuple[int, int] | None
+
+
+READINGS = [
+    # 1. nothing read yet
+    ReadingRow(t0, None, None),
+    # 2. the store's answer: 120 ms ahead, just now
+    ReadingRow(t0, 120, (120, 0)),
+    # 3. the TAT stays put, so its lead shrinks with the engine's clock ...
+    ReadingRow(t1, None, (70, 50)),
+    ReadingRow(t2, None, (20, 100)),
+    # 4. ... down to zero (a full bucket), while the reading ages on
+    ReadingRow(t3, None, (0, 150)),
+    ReadingRow(t5, None, (0, 250)),
+    # 5. a newer answer replaces it
+    ReadingRow(t6, 30, (30, 0)),
+    ReadingRow(t7, None, (0, 50)),
+    # 6. a negative lead (never sent by the store) counts as zero
+    ReadingRow(t8, -5, (0, 0)),
+]
+
+
+def test_a_cell_reading_decays_on_the_engines_clock_down_to_zero():
+    balances = balances_at()
+    balances.take_up_to("a", 0, t0)  # an account: readings are kept
+    for number, row in enumerate(READINGS, 1):
+        if row.lead is not None:
+            balances.record_cell("a", row.lead * MS, row.now)
+        want = None if row.want is None else CellReading(*(x * MS for x in row.want))
+        assert balances.cell_reading("a", row.now) == want, f"row {number}"
+
+
+def test_a_cell_reading_is_kept_while_the_user_has_an_account():
+    balances = balances_at()
+    balances.take_up_to("a", 1, t0)
+    balances.plan(t0)
+    balances.landed("a", 5, 0, t0)
+    balances.record_cell("a", 100 * MS, t0)
+    for k in range(1, 5):  # takes keep the account for 2 s, 20 x the lead
+        now = t0 + k * LEASE // 2
+        balances.take_up_to("a", 1, now)
+        balances.plan(now)
+    assert balances.cell_reading("a", t0 + 2 * LEASE) == CellReading(0, 2 * LEASE)
+
+
+def test_a_gone_users_reading_is_forgotten_once_run_out_and_a_lease_old():
+    """Readings stay bounded: a user without an account (its last request
+    ended, or it went idle) keeps its reading only so long."""
+    balances = balances_at(rate=1)
+    balances.take_up_to("a", 1, t0)
+    balances.plan(t0)
+    balances.landed("a", 1, 0, t0)
+    balances.record_cell("a", 100 * MS, t0)
+    balances.end_user("a", t0)  # a lease old at t0 + LEASE
+    assert balances.plan(t0 + LEASE - 1).returns == {"a": Request(1, 1)}
+    assert balances.cell_reading("a", t0 + LEASE - 1) is not None
+    balances.plan(t0 + LEASE)
+    assert balances.cell_reading("a", t0 + LEASE) is None
+    # The answer to the return, for a user without an account: 1.5 s ahead at
+    # 1 tok/s (longer than a lease), so kept until that has run out.
+    balances.record_cell("a", 1500 * MS, t1)
+    balances.plan(t1 + 1500 * MS - 1)
+    assert balances.cell_reading("a", t1 + 1500 * MS - 1) == CellReading(
+        1, 1500 * MS - 1
+    )
+    balances.plan(t1 + 1500 * MS)
+    assert balances.cell_reading("a", t1 + 1500 * MS) is None
+
+
+def test_an_idle_users_reading_goes_with_its_account():
+    balances = balances_at()
+    balances.take_up_to("a", 0, t0)
+    balances.record_cell("a", 40 * MS, t0)
+    balances.plan(t0 + LEASE)  # no take for a lease: the account is dropped
+    assert balances.active_users() == 0
+    assert balances.cell_reading("a", t0 + LEASE) is None
+
+
+def test_held_is_the_unexpired_balance_whether_limited_or_not():
+    limiter = OutputRateLimiter(100, {})
+    balances = ClaimedBalances(limiter)
+    assert balances.held("a", t0) == 0
+    balances.take_up_to("a", 1, t0)
+    balances.plan(t0)
+    balances.landed("a", 4, 0, t0)
+    balances.take_up_to("a", 1, t1)
+    assert balances.held("a", t1) == 3
+    limiter.set_user_exempt("a", True, t1)
+    assert (balances.available("a", t1), balances.held("a", t1)) == (UNLIMITED, 3)
+    assert balances.held("a", t0 + LEASE) == 0  # the lease ended
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from pacing.budget import StoreView
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S, UNLIMITED, OutputRateLimiter
 from pacing.store_budget import DEGRADED_AFTER_NS, Health, StoreBudget
@@ -137,3 +138,20 @@ def test_a_few_failed_round_trips_are_not_an_outage():
     clock.advance_ms(DEGRADED_AFTER_NS // MS - 1)
     assert budget.health(clock()) is Health.GLOBAL
     assert budget.take_up_to("u", 5, clock())[0] == 0
+
+
+def test_the_store_view_shows_the_balance_the_global_tat_and_the_health():
+    budget, claimed, clock = budget_with(held=30, mode=FailureMode.FAIL_CLOSED)
+    assert budget.store_view("u", clock()) == StoreView(30, 0, None, Health.GLOBAL)
+    claimed.record_cell("u", 250 * MS, clock())
+    budget.take_up_to("u", 10, clock())
+    clock.advance_ms(100)
+    assert budget.store_view("u", clock()) == StoreView(
+        20, 150 * MS, 100 * MS, Health.GLOBAL
+    )
+    store_down(claimed, clock)  # degraded: the reading ages on
+    assert budget.store_view("u", clock()) == StoreView(
+        20, 0, 100 * MS + DEGRADED_AFTER_NS, Health.LOCAL_SHARE
+    )
+    clock.advance_ms((FAILURE_AFTER_NS - DEGRADED_AFTER_NS) // MS)
+    assert budget.store_view("u", clock()).health is Health.FAIL_CLOSED

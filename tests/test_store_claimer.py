@@ -8,11 +8,12 @@ import threading
 import time
 
 import fakeredis
+import pytest
 import redis
 
-from pacing.claims import ClaimedBalances
+from pacing.claims import CellReading, ClaimedBalances
 from pacing.limiter import NS_PER_S, OutputRateLimiter
-from store.claimer import Claimer
+from store.claimer import Claimer, tat_lead_ns
 from store.redis_store import RedisStore, connect
 from tests import store_harness
 from tools.fake_clock import FakeClock
@@ -112,6 +113,50 @@ def test_a_users_last_request_ending_gives_its_tokens_back(client):
     b.take("alice", 1)
     b.claimer.run_once()
     assert b.held("alice") == 1
+
+
+def reading(engine: Engine, user: str) -> CellReading | None:
+    with engine.lock:
+        return engine.balances.cell_reading(user, engine.clock())
+
+
+def test_each_answer_hands_in_the_users_global_tat_lead(client):
+    """At 1 token/s (a burst of 1), A's claim of the only token moves the
+    user's one cell 1 s ahead. B, granted nothing, reads that same cell: a
+    lead it did nothing for. A's return takes the token off again."""
+    store = RedisStore(client)
+    a, b = Engine(store, "engine-a", 1), Engine(store, "engine-b", 1)
+    a.take("alice", 1)
+    a.claimer.run_once()
+    assert a.held("alice") == 1
+    assert reading(a, "alice") == CellReading(NS_PER_S, 0)  # a fresh cell
+    b.take("alice", 1)
+    b.claimer.run_once()
+    assert b.held("alice") == 0
+    seen = reading(b, "alice")
+    assert seen is not None
+    assert 0 < seen.tat_lead_ns <= NS_PER_S
+    a.clock.advance_ms(400)  # on A's clock the lead it read runs down
+    assert reading(a, "alice") == CellReading(600_000_000, 400_000_000)
+    with a.lock:
+        a.balances.end_user("alice", a.clock())
+    a.claimer.run_once()  # the return's answer: the cell is full again
+    assert reading(a, "alice") == CellReading(0, 0)
+
+
+@pytest.mark.parametrize(
+    ("debt", "rate", "want"),
+    [
+        # 1. debt (micro-tokens), 2. rate (tokens/s), 3. lead (ns), rounded up
+        (0, 5, 0),
+        (1_000_000, 1, NS_PER_S),  # one token at 1/s: a second
+        (1_000_000, 30, 33_333_334),
+        (2_500_000, 1000, 2_500_000),
+        (1, 1_000_000, 1),  # a millionth of a microsecond: 1 ns
+    ],
+)
+def test_a_cells_debt_is_its_tat_lead_at_the_rate(debt, rate, want):
+    assert tat_lead_ns(debt, rate) == want
 
 
 def test_a_store_that_does_not_answer_is_recorded_and_claims_resume_after(
