@@ -136,9 +136,16 @@ def time_scheduler_step(
     """Mean CPU seconds of ``schedule()`` + ``update_from_output()`` per step over
     ``steps`` steps of ``requests`` decoding streams spread over ``users`` users.
     The driver's own work (building the model's output) is not timed."""
-    scheduler, driver = _decoding(
-        model_dir, requests, users, async_scheduling, **kwargs
-    )
+    scheduler, driver = decoding(model_dir, requests, users, async_scheduling, **kwargs)
+    elapsed = cpu_timer(scheduler)
+    gc.collect()
+    driver.run(steps, step_ms=STEP_MS)
+    return elapsed() / steps
+
+
+def cpu_timer(scheduler: Any) -> Callable[[], float]:
+    """Times ``scheduler``'s ``schedule()`` and ``update_from_output()`` from now
+    on; returns what reads their total so far, in CPU seconds."""
     elapsed = 0.0
 
     def timed(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,9 +164,7 @@ def time_scheduler_step(
     # Instance attributes shadow the methods for the driver's calls only.
     scheduler.schedule = timed(scheduler.schedule)
     scheduler.update_from_output = timed(scheduler.update_from_output)
-    gc.collect()
-    driver.run(steps, step_ms=STEP_MS)
-    return elapsed / steps
+    return lambda: elapsed
 
 
 #: The limiter's operations the scheduler may call, counted by
@@ -184,10 +189,18 @@ def limiter_calls_per_step(
 ) -> float:
     """Mean limiter calls per step in the setting of ``time_scheduler_step``
     (what grows with users, not requests, when the design holds)."""
-    scheduler, driver = _decoding(
-        model_dir, requests, users, async_scheduling, **kwargs
-    )
-    limiter = scheduler.limiter
+    scheduler, driver = decoding(model_dir, requests, users, async_scheduling, **kwargs)
+    return calls_per_step(scheduler.limiter, driver, steps)
+
+
+def calls_per_step(
+    budget: Any,
+    driver: Driver,
+    steps: int,
+    operations: tuple[str, ...] = LIMITER_OPERATIONS,
+) -> float:
+    """Mean calls of ``budget``'s ``operations`` per step over the next ``steps``
+    steps of ``driver``."""
     calls = 0
 
     def counted(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -198,13 +211,13 @@ def limiter_calls_per_step(
 
         return call
 
-    for name in LIMITER_OPERATIONS:
-        setattr(limiter, name, counted(getattr(limiter, name)))
+    for name in operations:
+        setattr(budget, name, counted(getattr(budget, name)))
     driver.run(steps, step_ms=STEP_MS)
     return calls / steps
 
 
-def _decoding(
+def decoding(
     model_dir: str, requests: int, users: int, async_scheduling: bool, **kwargs: Any
 ) -> tuple[Any, Driver]:
     """A scheduler with ``requests`` streams of ``users`` users, all decoding."""
