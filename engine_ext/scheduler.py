@@ -77,8 +77,10 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, lt, not_
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -119,6 +121,10 @@ PAYLOAD_INTERVAL_NS = 100_000_000
 #: victim choice, ``max(running, key=(priority, arrival_time))``, picks it first
 #: among requests of the same priority. Far beyond any real arrival time.
 _PRIORITY_VICTIM_BIAS_S = 1e12
+
+#: Set by upstream on each request it schedules: the step ends inside the
+#: request's prefill, so it samples nothing.
+_IS_PREFILL_CHUNK = attrgetter("is_prefill_chunk")
 
 
 @dataclass
@@ -504,25 +510,40 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         there is nothing to refund."""
         self._use_step_hooks(False)
         output = super().schedule(*args, **kwargs)
-        requests = self.requests
-        sampled = [
-            request_id
-            for request_id in output.num_scheduled_tokens
-            if not requests[request_id].is_prefill_chunk
-        ]
-        # Every request reached add_request, so every one has a user. Counted
-        # and remembered in C (Counter, dict.update): this runs per request.
-        users = list(map(self._user_of.__getitem__, sampled))
-        counts = Counter(users)
-        self._last_served.update(zip(users, sampled, strict=True))
+        dispatched = output.num_scheduled_tokens
+        counts: Mapping[str, int]
+        # Per request only C loops (map, any, compress, Counter, dict.update):
+        # this is the hot path of every step while nobody is near a limit.
+        # Dispatched and running requests are live, so when there are as many
+        # of each as live ones, ``running`` is exactly the dispatched requests.
+        if len(dispatched) == len(self._user_of) == len(self.running) and not any(
+            map(_IS_PREFILL_CHUNK, self.running)
+        ):
+            # Every live request samples once (decoding, nothing waits): each
+            # user is charged its live requests, and with all of its streams
+            # served there is nothing to rotate (``_order_for_step`` would
+            # start at each user's first stream, as it does without an entry).
+            counts = self._live
+            self._last_served.clear()
+        else:
+            in_step = map(self.requests.__getitem__, dispatched)
+            sampled = list(
+                compress(dispatched, map(not_, map(_IS_PREFILL_CHUNK, in_step)))
+            )
+            # Every request reached add_request, so every one has a user.
+            users = list(map(self._user_of.__getitem__, sampled))
+            counts = Counter(users)
+            self._last_served.update(zip(users, sampled, strict=True))
         if counts:
-            headroom = self._headroom
+            remaining = self.budget.take_each(counts, now_ns)
+            # Every user charged has live requests. The common case, everyone
+            # still has budget for all of them, is settled in C.
+            self._headroom.update(remaining)
             live = self._live
-            for user, remaining in self.budget.take_each(counts, now_ns).items():
-                if remaining >= live.get(user, 0) > 0:
-                    headroom[user] = remaining  # still unconstrained: the common case
-                else:
-                    self._set_headroom(user, remaining)
+            if any(map(lt, remaining.values(), map(live.__getitem__, remaining))):
+                for user, left in remaining.items():
+                    if left < live[user]:
+                        self._set_headroom(user, left)
             self.accounting.record_charged(counts)
         if self._parked_counts:
             self._parked_counts = {}
@@ -821,7 +842,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         limiter's lock is held)."""
         self._cleaned_at_ns = now_ns
         self.limiter.cleanup_idle_users(now_ns)
-        live_users = set(self._user_of.values())
+        live_users = set(self._live)
         if self.output_rate_stats is not None:
             # Labelled users' counters must survive for exact deltas.
             live_users.update(self.output_rate_stats.labelled_users)
