@@ -49,7 +49,7 @@ DEFAULT_BURST_NS = 100_000_000
 UNLIMITED = 2**62
 
 
-@dataclass
+@dataclass(slots=True)
 class _Cell:
     """One user's GCRA state: the TAT scaled by the rate it was stored under."""
 
@@ -228,32 +228,41 @@ class OutputRateLimiter:
         still has available (0 when in debt). For charges already decided: the
         scheduler's after-the-fact batch when every user was known to have
         enough budget. Runs once per step for every user with demand, so the
-        per-rate products are computed once per distinct rate."""
+        per-rate products are computed once per distinct rate (before the loop
+        for the default rate, which most users have)."""
         default = self._default_rate
         if default is None:
             return dict.fromkeys(counts, UNLIMITED)
-        overrides = self._overrides
-        cells = self._cells
+        ns_per_s = NS_PER_S
+        burst_ns = self._burst_ns
+        default_now = now_ns * default
+        default_limit = default_now + burst_ns * default
+        rate_of = self._overrides.get
+        cell_of = self._cells.get
         bounds: dict[int, tuple[int, int]] = {}  # rate -> (scaled now, + burst)
         remaining: dict[str, int] = {}
         for user, count in counts.items():
-            rate = overrides.get(user, default)
-            if rate == 0:
+            rate = rate_of(user, default)
+            if rate == default:
+                scaled_now, limit = default_now, default_limit
+            elif rate == 0:
                 remaining[user] = UNLIMITED
                 continue
-            cell = cells.get(user)
+            else:
+                scaled = bounds.get(rate)
+                if scaled is None:
+                    scaled = bounds[rate] = (now_ns * rate, (now_ns + burst_ns) * rate)
+                scaled_now, limit = scaled
+            cell = cell_of(user)
             if cell is None or cell.rate != rate:
                 cell = self._cell(user, rate, now_ns)
-            scaled = bounds.get(rate)
-            if scaled is None:
-                scaled = bounds[rate] = (
-                    now_ns * rate,
-                    (now_ns + self._burst_ns) * rate,
-                )
-            tat = max(cell.scaled_tat, scaled[0]) + count * NS_PER_S
+            tat = cell.scaled_tat
+            if tat < scaled_now:
+                tat = scaled_now
+            tat += count * ns_per_s
             cell.scaled_tat = tat
-            slack = scaled[1] - tat
-            remaining[user] = slack // NS_PER_S + 1 if slack >= 0 else 0
+            slack = limit - tat
+            remaining[user] = slack // ns_per_s + 1 if slack >= 0 else 0
         return remaining
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
