@@ -4,10 +4,14 @@ with ``--data-parallel-size 2`` and ``--output-rate-store`` on a real
 user's streams spread over both ranks share its one limit; the control plane is
 served once, by rank 0.
 
-Bounds as in the single-server tests (``tools.measure``), with the issue's
-window slack for a store: at most ``(W + 0.15) * R + 1`` over the window from
-the first request sent to the last token, at least 95 % of ``R`` over the
-first-to-last-token span.
+Bounds as in the single-server tests, with the issue's window slack for a
+store: at most ``(W + 0.15) * R + 1`` over the window from the first request
+sent to the last token at the client, and at least 95 % of ``R`` on the
+server's counters (``tools.server_counters``). Rank 0's control plane knows only
+its own engine, so those are read from ``/metrics``, where the API server sums
+both ranks' charges. They lag the engines by up to the stats cadence (100 ms),
+which can only make the floor stricter: by that lag over an interval of about
+8 s, about 1 %.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
+from functools import partial
 
 import grpc
 import httpx
@@ -25,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tools.local_server import VllmServer, free_port, start_server
 from tools.measure import rates_by_user, run_streams
 from tools.redis_server import redis_server
+from tools.server_counters import ChargedReads
 
 pytestmark = pytest.mark.server
 
@@ -75,28 +81,38 @@ def _series(server: VllmServer, family: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
+def _charged(server: VllmServer, user: str) -> int:
+    """``user``'s tokens charged on every rank, from ``/metrics``."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    family = re.escape("vllm:output_rate_tokens_charged_total")
+    pattern = rf'^{family}\{{[^}}]*user="{re.escape(user)}"[^}}]*\}} (\S+)$'
+    found = re.search(pattern, text, re.M)
+    return 0 if found is None else int(float(found[1]))
+
+
 def test_one_users_limit_holds_across_data_parallel_ranks(dp_server: VllmServer):
     granted_before = _series(dp_server, "vllm:output_rate_store_tokens_granted_total")
     tokens, streams = 50, 6  # 300 tokens: 10 s at 30 tok/s
-    results = asyncio.run(
-        run_streams(dp_server.base_url, dp_server.model, [(USER, tokens)] * streams)
-    )
+    with ChargedReads(partial(_charged, dp_server), [USER]) as counters:
+        results = asyncio.run(
+            run_streams(dp_server.base_url, dp_server.model, [(USER, tokens)] * streams)
+        )
     for result in results:
         assert result.completion_tokens == tokens
         assert result.finish_reason == "length"
     rate = rates_by_user(results)[USER]
-    floor = 0.95 * rate.span_s * LIMIT
     ceiling = (rate.window_s + SLACK_S) * LIMIT + 1
     granted = _series(dp_server, "vllm:output_rate_store_tokens_granted_total")
     by_rank = {rank: granted[rank] - granted_before.get(rank, 0.0) for rank in granted}
     report = (
         f"{USER}: {rate.tokens} tokens over {RANKS} ranks, {rate.tokens_per_s:.2f} "
-        f"tok/s first to last (at least {floor:.1f} needed), at most "
-        f"{ceiling:.1f} over {rate.window_s:.3f} s; limit {LIMIT}; granted by "
-        f"the store per rank {by_rank}"
+        f"tok/s first to last at the client, at most {ceiling:.1f} over "
+        f"{rate.window_s:.3f} s; limit {LIMIT}; granted by the store per rank "
+        f"{by_rank}"
     )
     print(f"\n{report}")
-    assert floor <= rate.tokens <= ceiling, report
+    assert rate.tokens <= ceiling, report
+    counters.assert_at_least_the_limit(USER, tokens * streams, LIMIT, share=0.95)
     # Both ranks served the user from the one cell, and each counts the other.
     assert sorted(by_rank) == ["0", "1"] and all(by_rank.values()), report
     assert _series(dp_server, "vllm:output_rate_store_live_engines") == {

@@ -28,7 +28,7 @@ from tests.nginx_gateway import (
 )
 from tools.local_server import VllmServer, free_port, start_server
 from tools.measure import StreamResult, assert_at_most_gcra, rates_by_user
-from tools.server_counters import ChargedReads, charged, user_state
+from tools.server_counters import ChargedReads, charged, on_engines, user_state
 
 HEADER = "X-User-Id"
 DEFAULT_RATE = 1000
@@ -159,7 +159,7 @@ def test_users_are_paced_as_their_keys_map_whatever_ids_they_send(
         )
 
     address = header_server.control_address
-    with ChargedReads([address], LIMITS) as counters:
+    with ChargedReads(on_engines([address]), LIMITS) as counters:
         results = asyncio.run(scenario())
     for result in results:
         assert result.completion_tokens == len(result.token_times)

@@ -73,6 +73,7 @@ from tools.redis_server import redis_server
 from tools.server_counters import (
     ChargedReads,
     assert_at_least_the_limit,
+    on_engines,
     user_state,
 )
 
@@ -230,7 +231,7 @@ def assert_complete(results: list[StreamResult], tokens: int) -> None:
 
 def test_one_users_limit_holds_across_three_engines(fleet: Fleet) -> None:
     tokens = 50  # 2 streams on each of 3 engines: 300 tokens, 10 s at 30 tok/s
-    with ChargedReads(addresses(fleet.servers), [GLOBAL_USER]) as counters:
+    with ChargedReads(on_engines(addresses(fleet.servers)), [GLOBAL_USER]) as counters:
         results = _run(
             [(server, [(GLOBAL_USER, tokens)] * 2) for server in fleet.servers]
         )
@@ -259,7 +260,7 @@ def test_a_user_moving_between_engines_keeps_its_rate(fleet: Fleet) -> None:
         )
         return [result for results in per_server for result in results]
 
-    with ChargedReads(addresses(fleet.servers), [GLOBAL_USER]) as counters:
+    with ChargedReads(on_engines(addresses(fleet.servers)), [GLOBAL_USER]) as counters:
         results = asyncio.run(staggered())
     assert_complete(results, tokens)
     # The user did move: engine 3 went on for over a second after engine 1's
@@ -366,7 +367,7 @@ def test_a_stopped_store_degrades_to_local_shares_and_its_return_restores(
     for server in fleet.servers:
         _wait_for(lambda s=server: _degraded(s) == 0, "degraded gauge cleared")
     # Back to one global limit, no burst beyond the bound.
-    with ChargedReads(addresses(fleet.servers), [user]) as counters:
+    with ChargedReads(on_engines(addresses(fleet.servers)), [user]) as counters:
         results = _run([(server, [(user, tokens)] * 2) for server in fleet.servers])
     assert_complete(results, tokens)
     assert_global_pace(rates_by_user(results)[user], counters, 6 * tokens, LIMIT)
@@ -414,7 +415,7 @@ def test_a_killed_engine_strands_at_most_its_balance(fleet: Fleet) -> None:
         )
         return [r for results in per_server for r in results], killed_at
 
-    with ChargedReads(addresses(survivors), [user]) as counters:
+    with ChargedReads(on_engines(addresses(survivors)), [user]) as counters:
         results, killed_at = asyncio.run(kill_midway())
     victim.process.wait(timeout=30)
     assert_complete(results, tokens)

@@ -19,7 +19,7 @@ from tools.measure import (
     rates_by_user,
     run_streams,
 )
-from tools.server_counters import ChargedReads, user_state
+from tools.server_counters import ChargedReads, on_engines, user_state
 
 pytestmark = pytest.mark.server
 
@@ -55,7 +55,7 @@ def test_users_a_and_b_are_held_to_their_limits_side_by_side(vllm_server, a_stre
         return [*await a, *b]
 
     users = ("user-a", "user-b")
-    with ChargedReads([vllm_server.control_address], users) as counters:
+    with ChargedReads(on_engines([vllm_server.control_address]), users) as counters:
         results = asyncio.run(scenario())
     for result in results:
         assert_complete([result], TOKENS if result.user == "user-a" else B_TOKENS)
@@ -118,7 +118,9 @@ async def _c_rate(server) -> float:
 
 def test_request_without_user_is_limited_as_anonymous(vllm_server):
     anonymous = "__anonymous__"
-    with ChargedReads([vllm_server.control_address], [anonymous]) as counters:
+    with ChargedReads(
+        on_engines([vllm_server.control_address]), [anonymous]
+    ) as counters:
         results = run(vllm_server, [(None, 100)] * 2)
     assert_complete(results, 100)
     assert_at_most_gcra(rates_by_user(results)[None], LIMITS[anonymous])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -56,13 +56,19 @@ class Read:
     charged: dict[str, int]
 
 
-class ChargedReads:
-    """Reads ``users``' charged tokens, summed over the engines at
-    ``control_addresses``, every ``POLL_PERIOD_S`` in a thread while the
-    ``with`` block runs; ``before`` is read before the block starts."""
+def on_engines(control_addresses: Iterable[str]) -> Callable[[str], int]:
+    """A user's charged tokens summed over the engines at ``control_addresses``."""
+    addresses = tuple(control_addresses)
+    return lambda user: sum(charged(address, user) for address in addresses)
 
-    def __init__(self, control_addresses: Iterable[str], users: Iterable[str]) -> None:
-        self._addresses = tuple(control_addresses)
+
+class ChargedReads:
+    """Reads ``users``' charged tokens with ``count`` (e.g. ``on_engines``) every
+    ``POLL_PERIOD_S`` in a thread while the ``with`` block runs; ``before`` is
+    read before the block starts."""
+
+    def __init__(self, count: Callable[[str], int], users: Iterable[str]) -> None:
+        self._count = count
         self._users = tuple(users)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -80,10 +86,7 @@ class ChargedReads:
 
     def _read(self) -> Read:
         sent = time.monotonic()
-        counts = {
-            user: sum(charged(address, user) for address in self._addresses)
-            for user in self._users
-        }
+        counts = {user: self._count(user) for user in self._users}
         return Read(sent, time.monotonic(), counts)
 
     def _poll(self) -> None:
