@@ -11,7 +11,9 @@ only place that knows vLLM's scheduler internals. It overrides these
   bound until its next one, since budget only grows with time), so nobody can
   be refused. Upstream schedules alone and the dispatched sampling steps (upstream
   sets ``is_prefill_chunk = False`` on them) are charged after the fact in one
-  limiter batch.
+  limiter batch. When every live request samples (all decoding, none waiting),
+  each user's count is its live requests, kept as requests are added and freed:
+  no per-request work but one check of the flag.
 
   A *paced* step (otherwise): orders ``running`` when a user may lack budget at
   the step's start or a limit changed (rotation, parked requests last), calls
