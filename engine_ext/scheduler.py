@@ -371,12 +371,15 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     # -- the step ----------------------------------------------------------
 
-    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        # Upstream's own signature (not *args, **kwargs): forwarding through
+        # the step's three calls would cost every step a tuple, a dict and a
+        # slower call each.
         if not self.limiter.enabled:
-            return super().schedule(*args, **kwargs)
+            return super().schedule(throttle_prefills)
         # The control plane reads and changes limits only between steps.
         with self.output_rate_shared.lock:
-            output = self._paced_schedule(*args, **kwargs)
+            output = self._paced_schedule(throttle_prefills)
         return output
 
     def shutdown(self) -> None:
@@ -434,13 +437,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         """Lets control-plane changes end the engine's idle wait at once."""
         self.output_rate_shared.set_wake(wake)
 
-    def _paced_schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+    def _paced_schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         if self._ended:
             self._end_users(self.clock())
         mode = self.output_rate_shared.mode
         if mode is Mode.OFF:
-            return self._unpaced_step(*args, **kwargs)
-        shadow = mode is Mode.SHADOW
+            return self._unpaced_step(throttle_prefills)
         now_ns = self.clock()
         budget = self.budget
         limit_changed = self._seen_limit_changes != budget.limit_changes
@@ -449,7 +451,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             self._headroom.clear()
             self._constrained = set(self._live)
         if not (self._constrained or self._yielded or self._throttling):
-            return self._free_step(now_ns, budget, *args, **kwargs)
+            return self._free_step(now_ns, budget, throttle_prefills)
+        shadow = mode is Mode.SHADOW
         self._use_step_hooks(True)
         step = self._step = _Step(
             now_ns,
@@ -473,7 +476,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         try:
             if not shadow:
                 self._yield_slots(step)
-            output = super().schedule(*args, **kwargs)
+            output = super().schedule(throttle_prefills)
         finally:
             self._step = None
             self.max_num_active_reqs = self._base_max_active
@@ -487,19 +490,19 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_shared.on_step(now_ns)
         return output
 
-    def _unpaced_step(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+    def _unpaced_step(self, throttle_prefills: bool) -> SchedulerOutput:
         """Mode ``off``, the kill switch: upstream alone, nothing charged or
         recorded. Every user's GCRA state is kept as it was, and budget only
         accrues up to a full bucket, so switching back hands out no more."""
         self._use_step_hooks(False)
-        output = super().schedule(*args, **kwargs)
+        output = super().schedule(throttle_prefills)
         self.next_ready_ns = None
         if self._parked_counts:
             self._parked_counts = {}
         return output
 
     def _free_step(
-        self, now_ns: int, budget: BudgetSource, *args: Any, **kwargs: Any
+        self, now_ns: int, budget: BudgetSource, throttle_prefills: bool
     ) -> SchedulerOutput:
         """A step in which every user with live requests has budget for all of
         them, so none can be refused: upstream schedules alone (no per-request
@@ -509,7 +512,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         there is nothing to refund."""
         if self._step_hooks_bound:
             self._use_step_hooks(False)
-        output = super().schedule(*args, **kwargs)
+        output = super().schedule(throttle_prefills)
         dispatched = output.num_scheduled_tokens
         running = self.running
         counts: Mapping[str, int]
