@@ -125,22 +125,41 @@ def steps_for(requests: int) -> int:
     return min(MAX_STEPS, max(MIN_STEPS, REQUEST_STEPS // requests))
 
 
-def time_scheduler_step(
+def time_in_turn(
     model_dir: str,
     requests: int,
     users: int,
     steps: int,
     async_scheduling: bool,
-    **kwargs: Any,
-) -> float:
-    """Mean CPU seconds of ``schedule()`` + ``update_from_output()`` per step over
-    ``steps`` steps of ``requests`` decoding streams spread over ``users`` users.
+    variants: dict[str, dict[str, Any]],
+) -> dict[str, float]:
+    """Mean CPU seconds of ``schedule()`` + ``update_from_output()`` per step of
+    each of ``variants`` (``make_scheduler`` keyword arguments by name), over
+    ``steps`` steps of ``requests`` decoding streams of ``users`` users.
+
+    The schedulers step in turn, one step each, the order rotated every step:
+    whole runs timed one after another read a plugin that adds nothing as
+    0.84-1.07x of stock on this shared machine (its other hyperthread's load
+    and the CPU's clock drift between runs), and a fixed order favoured
+    whichever went first. The garbage collector is paused while timing: its
+    pauses land on whichever scheduler happens to allocate when one is due.
     The driver's own work (building the model's output) is not timed."""
-    scheduler, driver = decoding(model_dir, requests, users, async_scheduling, **kwargs)
-    elapsed = cpu_timer(scheduler)
+    built = {
+        name: decoding(model_dir, requests, users, async_scheduling, **kwargs)
+        for name, kwargs in variants.items()
+    }
+    timers = {name: cpu_timer(scheduler) for name, (scheduler, _) in built.items()}
+    drivers = [(name, driver) for name, (_, driver) in built.items()]
     gc.collect()
-    driver.run(steps, step_ms=STEP_MS)
-    return elapsed() / steps
+    gc.disable()
+    try:
+        for step in range(steps):
+            k = step % len(drivers)
+            for _, driver in drivers[k:] + drivers[:k]:
+                driver.step(STEP_MS)
+    finally:
+        gc.enable()
+    return {name: timer() / steps for name, timer in timers.items()}
 
 
 def cpu_timer(scheduler: Any) -> Callable[[], float]:
@@ -187,7 +206,7 @@ def limiter_calls_per_step(
     async_scheduling: bool,
     **kwargs: Any,
 ) -> float:
-    """Mean limiter calls per step in the setting of ``time_scheduler_step``
+    """Mean limiter calls per step in the setting of ``time_in_turn``
     (what grows with users, not requests, when the design holds)."""
     scheduler, driver = decoding(model_dir, requests, users, async_scheduling, **kwargs)
     return calls_per_step(scheduler.limiter, driver, steps)
@@ -259,15 +278,12 @@ def scheduler_part(
             continue
         steps = steps_for(r)
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for variant in variants.values():  # warm-up: first-use costs, not kept
-            time_scheduler_step(model_dir, r, u, 5, async_scheduling, **variant(u))
-        for _ in range(repeats):  # interleaved: drift hits every variant alike
-            for name, variant in variants.items():
-                times[name].append(
-                    time_scheduler_step(
-                        model_dir, r, u, steps, async_scheduling, **variant(u)
-                    )
-                )
+        kwargs = {name: variant(u) for name, variant in variants.items()}
+        time_in_turn(model_dir, r, u, 5, async_scheduling, kwargs)  # warm-up
+        for _ in range(repeats):
+            timed = time_in_turn(model_dir, r, u, steps, async_scheduling, kwargs)
+            for name, seconds in timed.items():
+                times[name].append(seconds)
         calls = {
             name: limiter_calls_per_step(
                 model_dir, r, u, 20, async_scheduling, **variant(u)
