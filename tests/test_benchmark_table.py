@@ -75,13 +75,15 @@ def test_render_aligns_columns_under_a_header() -> None:
     assert lines[2].index("2.0x") + 4 == lines[0].index("ratio") + 5
 
 
-def test_each_compared_server_gets_its_own_worker_cpus(monkeypatch) -> None:
+def test_each_compared_server_gets_cpus_of_its_own(monkeypatch) -> None:
     from benchmarks import compare_stock
 
     monkeypatch.setattr(compare_stock.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert compare_stock.worker_cpus(2) == [
+    assert compare_stock.server_cpus(2) == [{0, 1}, {2, 3}]
+    assert [compare_stock._bind_env(cpus) for cpus in ({0, 1}, {2, 3})] == [
         {"VLLM_CPU_OMP_THREADS_BIND": "0,1"},
         {"VLLM_CPU_OMP_THREADS_BIND": "2,3"},
     ]
     monkeypatch.setattr(compare_stock.os, "sched_getaffinity", lambda pid: {5})
-    assert compare_stock.worker_cpus(2) == [{}, {}]  # one CPU: vLLM's own choice
+    assert compare_stock.server_cpus(2) == [set(), set()]  # one CPU: no sets
+    assert compare_stock._bind_env(set()) == {}  # vLLM's own choice

