@@ -166,3 +166,14 @@ def test_the_server_side_floor_needs_a_long_enough_interval():
 def test_the_server_side_floor_needs_a_read_while_paced():
     with pytest.raises(AssertionError, match="no read while it was paced"):
         assert_at_least_the_limit([read(0.0, 5)], "u", before=5, total=10, limit=20)
+
+
+def test_the_server_side_floor_may_fall_short_by_a_stated_allowance():
+    # 80 tokens over 3.99 s at 21 tok/s's limit need 81.3 (see above); allowing
+    # for 2 lost tokens they need 79.3.
+    reads = [read(k / 2, max(0, min(100, round(20 * (k / 2 - 1))))) for k in range(14)]
+    assert_at_least_the_limit(reads, "u", before=0, total=100, limit=21, allowance=2)
+    with pytest.raises(AssertionError, match=r"at least 80\.3 needed"):
+        assert_at_least_the_limit(
+            reads, "u", before=0, total=100, limit=21, allowance=1
+        )

@@ -98,7 +98,7 @@ class ChargedReads:
         self, user: str, total: int, limit: float, share: float = 0.97
     ) -> None:
         assert_at_least_the_limit(
-            self.reads, user, self.before[user], total, limit, share
+            self.reads, user, self.before[user], total, limit, share=share
         )
 
 
@@ -108,9 +108,13 @@ def assert_at_least_the_limit(
     before: int,
     total: int,
     limit: float,
+    *,
     share: float = 0.97,
+    allowance: float = 0.0,
 ) -> None:
-    """At least ``share`` of the limit on the server's counters. Between the first
+    """At least ``share`` of the limit, less ``allowance`` tokens (what the
+    caller knows may be lost, e.g. a killed engine's balance), on the server's
+    counters. Between the first
     read that saw one of the user's ``total`` tokens charged and the last that
     saw fewer than all, the user had a request waiting every moment (a request
     ends only after its last token is charged), and the server's interval
@@ -122,11 +126,12 @@ def assert_at_least_the_limit(
     first, last = started[0], unfinished[-1]
     interval = last.sent - first.received
     got = last.charged[user] - first.charged[user]
-    floor = share * limit * interval
+    floor = share * limit * interval - allowance
     report = (
         f"{user}: {got} tokens charged over at least {interval:.3f} s of the "
         f"server's time = {got / max(interval, 1e-9):.2f} tok/s (at least "
-        f"{floor:.1f} needed); limit {limit}"
+        f"{floor:.1f} needed: {share:.0%} of the limit less {allowance:g}); "
+        f"limit {limit}"
     )
     print(f"\n{report}")
     assert interval >= MIN_INTERVAL_S, report  # long enough to say something
