@@ -109,7 +109,9 @@ class Profile:
         the share of wall time our code ran (or waited for a CPU) in ``role``'s
         process, or in all of them together. Several processes on one CPU
         each count as busy while waiting for it, so busy samples overstate
-        the time a process held the CPU; wall time does not."""
+        the time a process held the CPU; wall time does not. A blocking wait
+        of ours that py-spy does not know as idle (the engine's idle wait,
+        ``engine_ext.hooks.wait_for_input``) counts too: an upper bound."""
         ours = sum(
             share.ours
             for name, share in self.shares.items()
