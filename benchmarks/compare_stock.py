@@ -64,6 +64,7 @@ from benchmarks.table import (
     bucket_quantile,
     geometric_mean_ratio,
     histogram_delta,
+    median_interval,
     ratio_interval,
     ratio_of_medians,
     render,
@@ -379,6 +380,8 @@ def limiter_part() -> tuple[list[Row], dict]:
 #: Limits of the paced server; everyone else gets DEFAULT_RATE (never reached).
 SERVER_LIMITS = {"user-a": 20, "user-parked": 2, "user-smooth": 20}
 THROUGHPUT_STREAMS, THROUGHPUT_TOKENS = 16, 400
+#: Row 3's runs beside the load, each bracketed by runs alone (about 1.5 s each).
+ISOLATION_CYCLES = 15
 #: py-spy samples the paced server under the throughput load this long, this
 #: often: 4,000 ticks, so a share of 0.5 % is some 20 samples per process.
 PROFILE_SECONDS, PROFILE_RATE = 20, 200
@@ -600,9 +603,11 @@ def profile_part(paced: VllmServer) -> tuple[list[Row], dict]:
 
 
 def isolation_part(paced: VllmServer) -> tuple[Row, dict]:
-    c = asyncio.run(isolation(paced))
+    c = asyncio.run(isolation(paced, ISOLATION_CYCLES))
+    low, high = median_interval(c.ratios)
     row = Row(
-        "3 unthrottled user's tok/s beside a throttled 4-stream user / alone",
+        "3 unthrottled user's tok/s beside a throttled 4-stream user / alone, "
+        f"median of {len(c.ratios)} bracketed runs; 95 % interval {low:.3f}-{high:.3f}",
         ours=f"{statistics.median(c.beside):.0f} / {statistics.median(c.alone):.0f}",
         ratio=f"{c.ratio:.3f}x",
         goal="≥ 0.95x",

@@ -61,6 +61,18 @@ def ratio_interval(
     return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
 
 
+def median_interval(
+    values: Sequence[float], draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median of ``values`` (seeded, as
+    ``ratio_interval``)."""
+    rng = random.Random(seed)
+    estimates = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(draws)
+    )
+    return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
+
+
 def histogram_delta(
     before: Mapping[float, float], after: Mapping[float, float]
 ) -> dict[float, float]:

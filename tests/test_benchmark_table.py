@@ -5,6 +5,7 @@ throughput ratio and its interval, rendering."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -13,6 +14,7 @@ from benchmarks.table import (
     bucket_quantile,
     geometric_mean_ratio,
     histogram_delta,
+    median_interval,
     ratio_interval,
     ratio_of_medians,
     render,
@@ -110,3 +112,12 @@ def test_the_interval_holds_the_estimate_and_widens_with_the_spread() -> None:
     noisy_low, noisy_high = ratio_interval([noisy])
     assert noisy_low < low and high < noisy_high
     assert ratio_interval([noisy]) == (noisy_low, noisy_high)  # seeded
+
+
+def test_the_median_interval_holds_the_median_and_is_seeded() -> None:
+    values = [0.9, 0.95, 1.0, 1.02, 0.97, 0.99, 1.05, 0.93, 1.01]
+    low, high = median_interval(values)
+    assert low <= statistics.median(values) <= high
+    assert min(values) <= low < high <= max(values)
+    assert median_interval(values) == (low, high)
+    assert median_interval([0.98] * 5) == (0.98, 0.98)

@@ -88,6 +88,8 @@ def test_bracketed_ratio_cancels_drift():
     result = Bracketed(alone=[100, 90, 80, 70], beside=[95, 85, 75])
     assert result.ratio == pytest.approx(1.0)
     assert Bracketed(alone=[100, 100], beside=[50]).ratio == 0.5
+    assert result.ratios == pytest.approx([95 / 95, 85 / 85, 75 / 75])
+    assert Bracketed(alone=[100, 100, 50], beside=[50, 60]).ratios == [0.5, 0.8]
 
 
 def test_bracketed_runs_measurements_around_each_load_and_cancels_it():

@@ -190,14 +190,18 @@ class Bracketed:
     beside: list[float]
 
     @property
-    def ratio(self) -> float:
-        """Median over the runs beside the load of each run's value over the mean
-        of the runs alone just before and after it: drift of a shared machine
-        cancels, and one slow run does not decide."""
-        return statistics.median(
+    def ratios(self) -> list[float]:
+        """Each run beside the load over the mean of the runs alone just before
+        and after it: drift of a shared machine cancels."""
+        return [
             value / ((self.alone[k] + self.alone[k + 1]) / 2)
             for k, value in enumerate(self.beside)
-        )
+        ]
+
+    @property
+    def ratio(self) -> float:
+        """The median of ``ratios``: one slow run does not decide."""
+        return statistics.median(self.ratios)
 
 
 async def bracketed(
