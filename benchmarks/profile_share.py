@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -126,36 +127,34 @@ def profile(
     """Samples process ``pid`` and its subprocesses for ``seconds`` while
     ``load()`` runs over and over; the load in flight when sampling stops
     finishes unsampled."""
-    out = Path(f"/tmp/output-rate-profile-{pid}-{time.monotonic_ns()}.txt")
-    command = [
-        py_spy(),
-        "record",
-        "--pid",
-        str(pid),
-        "--subprocesses",
-        "--nonblocking",  # never pauses the server
-        "--format",
-        "raw",
-        "--rate",
-        str(rate),
-        "--duration",
-        str(round(seconds)),
-        "--output",
-        str(out),
-    ]
-    spy = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    started = time.monotonic()
-    while spy.poll() is None:
-        load()
-    elapsed = time.monotonic() - started
-    log = spy.stdout.read() if spy.stdout else ""
-    if spy.returncode != 0 or not out.exists():
-        raise ProfilerUnavailable(f"py-spy failed ({spy.returncode}): {log[-500:]}")
-    try:
+    with tempfile.TemporaryDirectory(prefix="output-rate-profile-") as workdir:
+        out = Path(workdir) / "raw.txt"
+        command = [
+            py_spy(),
+            "record",
+            "--pid",
+            str(pid),
+            "--subprocesses",
+            "--nonblocking",  # never pauses the server
+            "--format",
+            "raw",
+            "--rate",
+            str(rate),
+            "--duration",
+            str(round(seconds)),
+            "--output",
+            str(out),
+        ]
+        spy = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        started = time.monotonic()
+        while spy.poll() is None:
+            load()
+        elapsed = time.monotonic() - started
+        log = spy.stdout.read() if spy.stdout else ""
+        if spy.returncode != 0 or not out.exists():
+            raise ProfilerUnavailable(f"py-spy failed ({spy.returncode}): {log[-500:]}")
         found = shares(out.read_text().splitlines())
-    finally:
-        out.unlink()
     # py-spy's own start-up is in ``elapsed``; its duration is what it sampled.
     return Profile(found, min(elapsed, round(seconds)), rate)
