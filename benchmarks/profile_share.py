@@ -6,7 +6,8 @@ machine varies by 10-15 % from one run to the next on the same server: a cost of
 load reads that cost directly. A sample counts as ours when, walking from the
 innermost frame outwards, a frame of our packages comes before any frame of vLLM:
 our code calling the standard library or ``prometheus_client`` is ours; our hook
-calling vLLM's own step loop (``super().schedule()``) is vLLM's.
+calling vLLM's own step loop (``super().schedule()``) is vLLM's; a thread of ours
+blocked in a wait is nobody's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from pathlib import Path
 OUR_PACKAGES = ("engine_ext", "pacing", "store", "control", "protos")
 _OURS = re.compile(r"\((?:" + "|".join(OUR_PACKAGES) + r")/")
 _VLLM = re.compile(r"\(vllm/")
+#: A stack whose innermost frame is in these standard-library modules is a thread
+#: blocked in a wait (an ``Event.wait``, ``queue.get``, ``select``): py-spy, not
+#: pausing the server, cannot always tell such a thread idle, and our waiting
+#: threads (the idle heartbeat, the engine's idle wait) would count as our work.
+_BLOCKED = re.compile(r"\((?:threading|queue|selectors)\.py:\d+\)$")
 #: py-spy's frame for a process: ``process PID:"command line"``.
 _PROCESS = "process "
 
@@ -60,7 +66,10 @@ def role_of(frames: list[str]) -> str:
 
 
 def our_frame(frames: list[str]) -> str | None:
-    """The innermost frame of ours, if it comes before any of vLLM's."""
+    """The innermost frame of ours, if it comes before any of vLLM's and the
+    stack is not blocked in a wait."""
+    if _BLOCKED.search(frames[-1]):
+        return None
     for frame in reversed(frames):
         if _OURS.search(frame):
             return frame
@@ -110,9 +119,7 @@ class Profile:
         the share of wall time our code ran (or waited for a CPU) in ``role``'s
         process, or in all of them together. Several processes on one CPU
         each count as busy while waiting for it, so busy samples overstate
-        the time a process held the CPU; wall time does not. A blocking wait
-        of ours that py-spy does not know as idle (the engine's idle wait,
-        ``engine_ext.hooks.wait_for_input``) counts too: an upper bound."""
+        the time a process held the CPU; wall time does not."""
         ours = sum(
             share.ours
             for name, share in self.shares.items()

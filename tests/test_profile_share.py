@@ -50,6 +50,16 @@ def test_a_sample_is_ours_when_our_frame_is_innermost_before_vllms() -> None:
     assert our_frame([ROOT, CORE, "select (selectors.py:10)"]) is None
 
 
+def test_a_thread_of_ours_blocked_in_a_wait_is_not_our_work() -> None:
+    heartbeat = "Periodic._run (pacing/periodic.py:36)"
+    assert our_frame([ROOT, CORE, heartbeat, "wait (threading.py:622)"]) is None
+    idle_wait = "wait_for_input (engine_ext/hooks.py:253)"
+    assert our_frame([ROOT, CORE, idle_wait, "get (queue.py:180)"]) is None
+    # The same modules above the innermost frame say nothing.
+    run = "run (threading.py:1000)"
+    assert our_frame([ROOT, CORE, run, heartbeat, COUNTER]) == heartbeat
+
+
 def test_each_stack_is_counted_under_the_process_it_was_sampled_in() -> None:
     assert role_of([ROOT, "serve (uvicorn/server.py:1)"]) == API_SERVER
     assert role_of([ROOT, CORE, LOOP]) == "engine core"
