@@ -7,7 +7,8 @@ load reads that cost directly. A sample counts as ours when, walking from the
 innermost frame outwards, a frame of our packages comes before any frame of vLLM:
 our code calling the standard library or ``prometheus_client`` is ours; our hook
 calling vLLM's own step loop (``super().schedule()``) is vLLM's; a thread of ours
-blocked in a wait is nobody's.
+blocked in a wait is nobody's. An upper bound: the HTTP guard passing a request on
+to the app counts Starlette's own work below it as ours, up to vLLM's handler.
 """
 
 from __future__ import annotations
