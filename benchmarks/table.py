@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -48,17 +48,16 @@ def ratio_interval(
     with replacement, the runs of each side of each placement. How far apart the
     runs of one server lie shows in its width; a ratio is told apart from 1 only
     when the interval leaves 1 out. Seeded: the same runs give the same interval."""
-    rng = random.Random(seed)
-    estimates = sorted(
-        geometric_mean_ratio(
+    return _bootstrap_interval(
+        lambda rng: geometric_mean_ratio(
             [
                 (rng.choices(ours, k=len(ours)), rng.choices(stock, k=len(stock)))
                 for ours, stock in placements
             ]
-        )
-        for _ in range(draws)
+        ),
+        draws,
+        seed,
     )
-    return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
 
 
 def median_interval(
@@ -66,10 +65,20 @@ def median_interval(
 ) -> tuple[float, float]:
     """A 95 % bootstrap interval of the median of ``values`` (seeded, as
     ``ratio_interval``)."""
-    rng = random.Random(seed)
-    estimates = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(draws)
+    return _bootstrap_interval(
+        lambda rng: statistics.median(rng.choices(values, k=len(values))),
+        draws,
+        seed,
     )
+
+
+def _bootstrap_interval(
+    estimate: Callable[[random.Random], float], draws: int, seed: int
+) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of ``draws`` estimates, each computed
+    from a resample drawn with the given generator."""
+    rng = random.Random(seed)
+    estimates = sorted(estimate(rng) for _ in range(draws))
     return estimates[int(0.025 * draws)], estimates[int(0.975 * draws) - 1]
 
 
