@@ -72,7 +72,12 @@ from benchmarks.table import (
 from pacing.identity import USER_FIELD
 from pacing.limiter import MAX_RATE, OutputRateLimiter
 from tools.fake_clock import T0, FakeClock
-from tools.local_server import VllmServer, process_cpu_seconds, start_server
+from tools.local_server import (
+    VllmServer,
+    cpu_shares,
+    process_cpu_seconds,
+    start_server,
+)
 from tools.measure import run_streams
 from tools.scheduler_harness import BLOCK_SIZE, Driver, make_request, make_scheduler
 from tools.tiny_model import ensure_tiny_model
@@ -407,11 +412,9 @@ def server_cpus(count: int) -> list[set[int]]:
     costs (stock 6,002 tok/s on one CPU set, 3,970 on the other). So each
     server runs on its own set, all of its processes (``VllmServer.confine``).
     """
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < count:
+    if len(os.sched_getaffinity(0)) < count:
         return [set() for _ in range(count)]
-    share = len(cpus) // count
-    return [set(cpus[i * share : (i + 1) * share]) for i in range(count)]
+    return cpu_shares(count)
 
 
 def _bind_env(cpus: set[int]) -> dict[str, str]:

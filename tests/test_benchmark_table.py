@@ -121,3 +121,17 @@ def test_the_median_interval_holds_the_median_and_is_seeded() -> None:
     assert min(values) <= low < high <= max(values)
     assert median_interval(values) == (low, high)
     assert median_interval([0.98] * 5) == (0.98, 0.98)
+
+
+def test_cpu_shares_split_the_cpus_in_order_and_leave_the_leftover(
+    monkeypatch,
+) -> None:
+    from tools import local_server
+
+    monkeypatch.setattr(
+        local_server.os, "sched_getaffinity", lambda pid: {7, 1, 3, 5, 9}
+    )
+    assert local_server.cpu_shares(2) == [{1, 3}, {5, 7}]  # 9 left over
+    assert local_server.cpu_shares(5) == [{1}, {3}, {5}, {7}, {9}]
+    with pytest.raises(ValueError, match="6 shares of 5 CPUs"):
+        local_server.cpu_shares(6)

@@ -61,7 +61,7 @@ from pacing.claims import DEFAULT_LEASE_NS, burst_tokens
 from pacing.limiter import DEFAULT_BURST_NS
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
-from tools.local_server import VllmServer, start_server
+from tools.local_server import VllmServer, cpu_shares, start_server
 from tools.measure import (
     StreamResult,
     UserRate,
@@ -97,8 +97,7 @@ def server_cpus(count: int) -> list[set[int]]:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) <= count:
         return [{cpus[-1]} for _ in range(count)]
-    share = len(cpus) // count
-    return [set(cpus[i * share : (i + 1) * share]) for i in range(count)]
+    return cpu_shares(count)
 
 
 def control_address() -> str:

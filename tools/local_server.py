@@ -90,6 +90,17 @@ class VllmServer:
                 self.process.wait(timeout=10)
 
 
+def cpu_shares(count: int) -> list[set[int]]:
+    """``count`` disjoint, equal shares of the CPUs this process may use, in
+    order (leftover CPUs go to nobody), for ``VllmServer.confine``; needs at
+    least ``count`` CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < count:
+        raise ValueError(f"{count} shares of {len(cpus)} CPUs")
+    share = len(cpus) // count
+    return [set(cpus[i * share : (i + 1) * share]) for i in range(count)]
+
+
 def stock_plugins() -> str:
     """A ``VLLM_PLUGINS`` value that loads every installed vLLM plugin except
     ours. vLLM splits it on commas and loads only the names listed; an empty
