@@ -58,6 +58,7 @@ _STATE_COLUMNS = (
     ("PREEMPTED", "throttled_preemptions"),
     ("RUNNING", "running_requests"),
     ("THROTTLED", "throttled_requests"),
+    ("LATE", "engine_late_s"),
 )
 #: Added to the states' table when the engine has a global store (``store``).
 _STORE_COLUMNS = (
@@ -561,6 +562,7 @@ def _state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "tier": names.tier_id(state.tier) or None,
         "shadow_skips": state.shadow_skips,
         "pacing_mode": _pb2.PacingMode.Mode.Name(state.pacing_mode).lower(),
+        "engine_late_s": state.engine_late.ToNanoseconds() / 1e9,
         "store": _store_dict(state.store) if state.HasField("store") else None,
     }
 

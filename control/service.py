@@ -160,6 +160,7 @@ class UserState:
     tier: str | None  #: the user's tier, whichever rule decided
     shadow_skips: int
     mode: Mode
+    engine_late_ns: int
     #: With a global store, the user's budget there as this engine sees it.
     store: StoreView | None = None
 
@@ -724,6 +725,7 @@ class LimitsService:
                     tier=limiter.tier_of(user),
                     shadow_skips=0 if counters is None else counters.shadow_skips,
                     mode=self._shared.mode,
+                    engine_late_ns=0 if counters is None else counters.engine_late_ns,
                     store=None
                     if views is None
                     else views.store_view(user, reading.now_ns),

@@ -322,6 +322,7 @@ def _user_state(view: UserState) -> _pb2.UserState:
         shadow_skips=view.shadow_skips,
         pacing_mode=_MODES[view.mode],
         store=None if view.store is None else _store_view(view.store),
+        engine_late=_duration(view.engine_late_ns),
     )
 
 

@@ -85,6 +85,7 @@ THROTTLED_SKIPS = "vllm:output_rate_throttled_skips_total"
 REFUNDS = "vllm:output_rate_refunds_total"
 THROTTLED_PREEMPTIONS = "vllm:output_rate_throttled_preemptions_total"
 SHADOW_SKIPS = "vllm:output_rate_shadow_skips_total"
+ENGINE_LATE_SECONDS = "vllm:output_rate_engine_late_seconds_total"
 IDLE_WAIT_SECONDS = "vllm:output_rate_idle_wait_seconds"
 THROTTLED_REQUESTS = "vllm:output_rate_throttled_requests"
 TRACKED_USERS = "vllm:output_rate_tracked_users"
@@ -98,6 +99,7 @@ TIER_THROTTLED_SKIPS = "vllm:output_rate_tier_throttled_skips_total"
 TIER_REFUNDS = "vllm:output_rate_tier_refunds_total"
 TIER_THROTTLED_PREEMPTIONS = "vllm:output_rate_tier_throttled_preemptions_total"
 TIER_SHADOW_SKIPS = "vllm:output_rate_tier_shadow_skips_total"
+TIER_ENGINE_LATE_SECONDS = "vllm:output_rate_tier_engine_late_seconds_total"
 TIER_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_tier_limit_tokens_per_second"
 STORE_ROUND_TRIPS = "vllm:output_rate_store_round_trips_total"
 STORE_ROUND_TRIP_SECONDS = "vllm:output_rate_store_round_trip_seconds"
@@ -114,6 +116,7 @@ USER_COUNTERS = {
     "refunds": REFUNDS,
     "throttled_preemptions": THROTTLED_PREEMPTIONS,
     "shadow_skips": SHADOW_SKIPS,
+    "engine_late_ns": ENGINE_LATE_SECONDS,
 }
 #: Payload counter field -> exported per-tier counter name.
 TIER_COUNTERS = {
@@ -122,7 +125,11 @@ TIER_COUNTERS = {
     "refunds": TIER_REFUNDS,
     "throttled_preemptions": TIER_THROTTLED_PREEMPTIONS,
     "shadow_skips": TIER_SHADOW_SKIPS,
+    "engine_late_ns": TIER_ENGINE_LATE_SECONDS,
 }
+#: What one unit of a payload counter field is in its exported counter's unit
+#: (fields not listed: 1).
+COUNTER_UNITS = {"engine_late_ns": 1e-9}
 #: Payload store token field -> exported counter name.
 STORE_TOKEN_COUNTERS = {
     "claimed": STORE_TOKENS_CLAIMED,
@@ -143,6 +150,11 @@ _DOCS = {
     "lack of budget (KV pressure from parked requests).",
     SHADOW_SKIPS: "In shadow mode: times a request ran uncharged where enforce "
     "mode would have passed it over for lack of budget.",
+    ENGINE_LATE_SECONDS: "Time by which the gaps between scheduling steps "
+    "exceeded the 100 ms burst while the user had a request in the engine: its "
+    "budget lapsed unspent because the engine came late (slow steps, a starved "
+    "process), not because of its limit. The user may fall short of its limit "
+    "by up to limit times this.",
     IDLE_WAIT_SECONDS: "Time the engine loop blocked on its input queue because "
     "every ready request was throttled.",
     THROTTLED_REQUESTS: "Requests passed over for lack of budget in the latest "
@@ -162,6 +174,8 @@ _DOCS = {
     TIER_THROTTLED_PREEMPTIONS: "Throttled preemptions of the members of a tier.",
     TIER_SHADOW_SKIPS: "Shadow skips (what enforce would have throttled) of the "
     "members of a tier.",
+    TIER_ENGINE_LATE_SECONDS: "Engine-late time of the members of a tier, "
+    "summed over them.",
     TIER_LIMIT_TOKENS_PER_SECOND: "Output-token limit of each member of a tier "
     "(members without a limit of their own); no sample for an exempt tier.",
     STORE_ROUND_TRIPS: "Round trips of the engine's claimer to the global store "
@@ -318,7 +332,9 @@ class OutputRateMetrics:
         for user, row in payload.users.items():
             for field, delta in row.items():
                 if delta:
-                    self._counters[field].labels(model, user).inc(delta)
+                    self._counters[field].labels(model, user).inc(
+                        delta * COUNTER_UNITS.get(field, 1)
+                    )
         limits = dict(payload.limits)
         if payload.default_limit is not None:
             limits[DEFAULT_LIMIT_USER] = payload.default_limit
@@ -393,7 +409,9 @@ class OutputRateMetrics:
         for tier, row in payload.tier_counters.items():
             for field, delta in row.items():
                 if delta:
-                    self._tier_counters[field].labels(model, tier).inc(delta)
+                    self._tier_counters[field].labels(model, tier).inc(
+                        delta * COUNTER_UNITS.get(field, 1)
+                    )
         limits = {tier: rate for tier, rate in payload.tiers.items() if rate}
         if limits != self._tier_limit_values:
             for tier in set(self._tier_limit_values) - set(limits):

@@ -4,7 +4,8 @@ One mixin, applied to both ``Scheduler`` and ``AsyncScheduler``; this module is 
 only place that knows vLLM's scheduler internals. It overrides these
 ``Scheduler`` methods (vLLM 0.32) and relies on how ``schedule()`` calls them:
 
-- ``schedule()``: one clock reading, then one of two kinds of step.
+- ``schedule()``: one clock reading (which also times the gap since the previous
+  step: ``_record_engine_late``), then one of two kinds of step.
 
   A *free* step: every user with live requests is known to have budget for all
   of them (``_headroom``: what a user had left after its last charge, a lower
@@ -232,6 +233,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self._constrained: set[str] = set()
         #: user -> requests parked at the last step's start.
         self._parked_counts: dict[str, int] = {}
+        #: When the last paced step started (None: none yet), and user -> its
+        #: requests added since: what ``_record_engine_late`` compares.
+        self._stepped_at_ns: int | None = None
+        self._added_since_step: dict[str, int] = {}
         self._upstream_reserve_prefill_lookahead = super()._reserve_prefill_lookahead
         self._upstream_handle_blocked_waiting_request = (
             super()._handle_blocked_waiting_request
@@ -320,6 +325,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if request.request_id not in self._user_of:
             user = self._user_of[request.request_id] = self._resolve_user(request)
             live = self._live[user] = self._live.get(user, 0) + 1
+            if self.limiter.enabled:
+                added = self._added_since_step
+                added[user] = added.get(user, 0) + 1
             if self._headroom.get(user, -1) < live:
                 self._constrained.add(user)
 
@@ -441,9 +449,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if self._ended:
             self._end_users(self.clock())
         mode = self.output_rate_shared.mode
+        now_ns = self.clock()
+        self._record_engine_late(now_ns, counted=mode is not Mode.OFF)
         if mode is Mode.OFF:
             return self._unpaced_step(throttle_prefills)
-        now_ns = self.clock()
         budget = self.budget
         limit_changed = self._seen_limit_changes != budget.limit_changes
         if limit_changed:  # every user's headroom may have shrunk
@@ -489,6 +498,24 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self._settle(step, output)
         self.output_rate_shared.on_step(now_ns)
         return output
+
+    def _record_engine_late(self, now_ns: int, counted: bool) -> None:
+        """Counts, in ``engine_late_ns`` of every user with a request in the
+        engine since the previous step, by how much the gap between the two
+        steps' starts exceeded the burst. GCRA absorbs a late step up to the
+        burst (the spec's "burst must cover one engine step"); beyond it, a
+        waiting user's budget lapses unspent: a slow or starved engine, not
+        pacing, held the user below its limit."""
+        previous, self._stepped_at_ns = self._stepped_at_ns, now_ns
+        added = self._added_since_step
+        if counted and previous is not None:
+            late_ns = now_ns - previous - self.limiter.burst_ns
+            if late_ns > 0:
+                for user, live in self._live.items():
+                    if live > added.get(user, 0):
+                        self.accounting.record(user, "engine_late_ns", late_ns)
+        if added:
+            added.clear()
 
     def _unpaced_step(self, throttle_prefills: bool) -> SchedulerOutput:
         """Mode ``off``, the kill switch: upstream alone, nothing charged or

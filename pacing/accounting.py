@@ -17,6 +17,10 @@ class UserCounters:
     throttled_preemptions: int = 0  #: parked requests chosen as preemption victims
     #: requests shadow mode let run uncharged where enforce would have skipped them
     shadow_skips: int = 0
+    #: ns by which the gaps between scheduling steps exceeded the burst while
+    #: the user had a request in the engine across them: budget that lapsed
+    #: unspent because the engine came late, not because the user was paced
+    engine_late_ns: int = 0
 
     def add(self, other: UserCounters) -> None:
         for f in fields(self):

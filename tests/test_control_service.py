@@ -286,6 +286,10 @@ def test_get_user_state_reports_durations_and_counters(served, rig):
     assert state.next_token_in.ToNanoseconds() == 50_000_000
     assert (state.tokens_charged, state.throttled_skips, state.refunds) == (1, 3, 0)
     assert (state.running_requests, state.throttled_requests) == (3, 2)
+    assert state.engine_late.ToNanoseconds() == 0
+    rig.accounting.record("alice", "engine_late_ns", 120_000_000)
+    state = served.stub.GetUserState(pb.GetUserStateRequest(name="userStates/alice"))
+    assert state.engine_late.ToNanoseconds() == 120_000_000
 
 
 def test_user_state_of_a_user_known_only_by_requests(served, rig):

@@ -28,10 +28,7 @@ RECORDING_RULES = yaml.safe_load(
 TEMPLATED_DS = {"type": "prometheus", "uid": "${datasource}"}
 
 EXPORTED = {
-    metrics.TOKENS_CHARGED,
-    metrics.THROTTLED_SKIPS,
-    metrics.REFUNDS,
-    metrics.THROTTLED_PREEMPTIONS,
+    *metrics.USER_COUNTERS.values(),
     metrics.IDLE_WAIT_SECONDS,
     metrics.THROTTLED_REQUESTS,
     metrics.TRACKED_USERS,
@@ -39,7 +36,6 @@ EXPORTED = {
     metrics.LIMIT_CHANGES,
     metrics.CONFIG_RELOADS,
     metrics.CONTROL_RPCS,
-    metrics.SHADOW_SKIPS,
     metrics.MODE,
     *metrics.TIER_COUNTERS.values(),
     metrics.TIER_LIMIT_TOKENS_PER_SECOND,

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tools.local_server import VllmServer, free_port, start_server
 from tools.measure import rates_by_user, run_streams
 from tools.redis_server import redis_server
-from tools.server_counters import ChargedReads
+from tools.server_counters import ChargedReads, Count
 
 pytestmark = pytest.mark.server
 
@@ -81,19 +81,28 @@ def _series(server: VllmServer, family: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
-def _charged(server: VllmServer, user: str) -> int:
-    """``user``'s tokens charged on every rank, from ``/metrics``."""
+def _counts(server: VllmServer, user: str) -> Count:
+    """``user``'s tokens charged and engine-late time on every rank, from
+    ``/metrics``."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    family = re.escape("vllm:output_rate_tokens_charged_total")
-    pattern = rf'^{family}\{{[^}}]*user="{re.escape(user)}"[^}}]*\}} (\S+)$'
-    found = re.search(pattern, text, re.M)
-    return 0 if found is None else int(float(found[1]))
+
+    def value(family: str) -> float:
+        pattern = (
+            rf'^{re.escape(family)}\{{[^}}]*user="{re.escape(user)}"[^}}]*\}} (\S+)$'
+        )
+        found = re.search(pattern, text, re.M)
+        return 0.0 if found is None else float(found[1])
+
+    return Count(
+        int(value("vllm:output_rate_tokens_charged_total")),
+        value("vllm:output_rate_engine_late_seconds_total"),
+    )
 
 
 def test_one_users_limit_holds_across_data_parallel_ranks(dp_server: VllmServer):
     granted_before = _series(dp_server, "vllm:output_rate_store_tokens_granted_total")
     tokens, streams = 50, 6  # 300 tokens: 10 s at 30 tok/s
-    with ChargedReads(partial(_charged, dp_server), [USER]) as counters:
+    with ChargedReads(partial(_counts, dp_server), [USER]) as counters:
         results = asyncio.run(
             run_streams(dp_server.base_url, dp_server.model, [(USER, tokens)] * streams)
         )

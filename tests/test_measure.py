@@ -170,6 +170,29 @@ def test_the_server_side_floor_needs_a_read_while_paced():
         assert_at_least_the_limit([read(0.0, 5)], "u", before=5, total=10, limit=20)
 
 
+def test_the_server_side_floor_allows_for_the_time_the_engine_came_late():
+    # 80 tokens over 3.99 s at 21 tok/s's limit need 81.3 (see above). The
+    # engine counted 0.1 s late between the first charged read and the read
+    # after the last unfinished one: 2.1 tokens fewer are needed.
+    reads = [
+        Read(k / 2, k / 2 + 0.01, {"u": count}, {"u": 0.3 if k <= 3 else 0.4})
+        for k, count in enumerate(
+            max(0, min(100, round(20 * (k / 2 - 1)))) for k in range(14)
+        )
+    ]
+    assert_at_least_the_limit(reads, "u", before=0, total=100, limit=21)
+    # Counted only on the read after the last unfinished one (k = 12): still
+    # allowed for. Counted on none of the reads: not.
+    late_at_the_end = [Read(r.sent, r.received, r.charged, {"u": 0.0}) for r in reads]
+    late_at_the_end[12] = Read(
+        reads[12].sent, reads[12].received, reads[12].charged, {"u": 0.1}
+    )
+    assert_at_least_the_limit(late_at_the_end, "u", before=0, total=100, limit=21)
+    never_late = [Read(r.sent, r.received, r.charged) for r in reads]
+    with pytest.raises(AssertionError, match=r"at least 81\.3 needed"):
+        assert_at_least_the_limit(never_late, "u", before=0, total=100, limit=21)
+
+
 def test_the_server_side_floor_may_fall_short_by_a_stated_allowance():
     # 80 tokens over 3.99 s at 21 tok/s's limit need 81.3 (see above); allowing
     # for 2 lost tokens they need 79.3.

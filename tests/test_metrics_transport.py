@@ -265,6 +265,31 @@ def test_mode_and_tiers_reach_vllms_registry_through_the_real_pipeline(
     assert sample(tier_limit, tier="staff") == 5
 
 
+def test_engine_late_time_reaches_vllms_registry_in_seconds(
+    manager: StatLoggerManager,
+) -> None:
+    limiter = OutputRateLimiter(
+        100, {"alice": 20}, tier_rates={"free": 20}, memberships={"bob": "free"}
+    )
+    accounting = Accounting()
+    accounting.record("alice", "engine_late_ns", 150_000_000)
+    accounting.record("bob", "engine_late_ns", 40_000_000)
+    payload = PayloadBuilder().build(
+        accounting=accounting,
+        user_rates={"alice": 20},
+        default_rate=100,
+        throttled_requests=0,
+        tracked_users=2,
+        limiter=limiter,
+    )
+    manager.record(scheduler_stats=engine_step(payload), iteration_stats=None)
+    late = "vllm:output_rate_engine_late_seconds_total"
+    assert sample(late, user="alice") == pytest.approx(0.15)
+    assert sample(late, user=OTHER_USER) == pytest.approx(0.04)
+    tier_late = "vllm:output_rate_tier_engine_late_seconds_total"
+    assert sample(tier_late, tier="free") == pytest.approx(0.04)
+
+
 def test_our_metrics_survive_vllm_rebuilding_its_prometheus_logger(
     manager: StatLoggerManager, vllm_config: VllmConfig
 ) -> None:

@@ -86,7 +86,7 @@ class PacingMode(_message.Message):
     def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[PacingMode.Mode, str]] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class UserState(_message.Message):
-    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store")
+    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late")
     class LimitSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         LIMIT_SOURCE_UNSPECIFIED: _ClassVar[UserState.LimitSource]
@@ -118,6 +118,7 @@ class UserState(_message.Message):
     SHADOW_SKIPS_FIELD_NUMBER: _ClassVar[int]
     PACING_MODE_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     user: str
     limit_tokens_per_second: int
@@ -135,7 +136,8 @@ class UserState(_message.Message):
     shadow_skips: int
     pacing_mode: PacingMode.Mode
     store: StoreView
-    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ...) -> None: ...
+    engine_late: _duration_pb2.Duration
+    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class StoreView(_message.Message):
     __slots__ = ("held_tokens", "global_tat_lead", "global_tat_read_age", "health")
