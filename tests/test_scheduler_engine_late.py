@@ -19,6 +19,12 @@ def late_ms(scheduler, user: str) -> float:
     return scheduler.accounting.of(user).engine_late_ns / 1e6
 
 
+def step_across_gap(driver, gap_ms: float) -> None:
+    """A step, then ``gap_ms`` until the next one, which counts the gap."""
+    driver.step(gap_ms)
+    driver.step()
+
+
 @MODES
 def test_engine_late_counts_only_the_gap_beyond_the_burst(
     tiny_model_dir, async_scheduling
@@ -29,8 +35,7 @@ def test_engine_late_counts_only_the_gap_beyond_the_burst(
         driver.step(gap_ms)
     driver.step()
     assert late_ms(scheduler, "u") == 0
-    driver.step(BURST_MS + 150)
-    driver.step()
+    step_across_gap(driver, BURST_MS + 150)
     assert late_ms(scheduler, "u") == 150
 
 
@@ -45,8 +50,7 @@ def test_a_user_whose_request_arrived_during_the_gap_was_not_kept_waiting(
     driver.step()
     assert (late_ms(scheduler, "u"), late_ms(scheduler, "v")) == (40, 0)
     # Once its request has been in the engine across a late gap, v counts too.
-    driver.step(BURST_MS + 25)
-    driver.step()
+    step_across_gap(driver, BURST_MS + 25)
     assert (late_ms(scheduler, "u"), late_ms(scheduler, "v")) == (65, 25)
 
 
@@ -57,8 +61,7 @@ def test_a_finished_user_is_not_late(tiny_model_dir, async_scheduling):
     driver.run(4)  # u's request has finished
     assert not scheduler.has_unfinished_requests()
     driver.add([make_request("v", prompt_len=4)])
-    driver.step(BURST_MS + 500)
-    driver.step()
+    step_across_gap(driver, BURST_MS + 500)
     assert (late_ms(scheduler, "u"), late_ms(scheduler, "v")) == (0, 500)
 
 
@@ -70,12 +73,10 @@ def test_engine_late_is_not_counted_with_pacing_mode_off(
     driver.add([make_request("u", prompt_len=4)])
     driver.step()
     scheduler.output_rate_shared.mode = Mode.OFF
-    driver.step(BURST_MS + 300)
-    driver.step()
+    step_across_gap(driver, BURST_MS + 300)
     assert late_ms(scheduler, "u") == 0
     scheduler.output_rate_shared.mode = Mode.ENFORCE
-    driver.step(BURST_MS + 70)
-    driver.step()
+    step_across_gap(driver, BURST_MS + 70)
     assert late_ms(scheduler, "u") == 70
 
 
