@@ -48,11 +48,6 @@ def user_state(control_address: str, user: str) -> pb.UserState | None:
             return None
 
 
-def charged(control_address: str, user: str) -> int:
-    state = user_state(control_address, user)
-    return 0 if state is None else state.tokens_charged
-
-
 @dataclass(frozen=True)
 class Count:
     """One user's counters on the server at one read."""
@@ -68,6 +63,10 @@ def count(control_address: str, user: str) -> Count:
     if state is None:
         return Count(0)
     return Count(state.tokens_charged, state.engine_late.ToNanoseconds() / 1e9)
+
+
+def charged(control_address: str, user: str) -> int:
+    return count(control_address, user).charged
 
 
 @dataclass(frozen=True)
