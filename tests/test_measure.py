@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -149,10 +150,15 @@ def read(sent: float, count: int) -> Read:
     return Read(sent, sent + 0.01, {"u": count})
 
 
+def reads_at_20_per_s() -> list[Read]:
+    """100 tokens at 20 tok/s from t=1, read every 0.5 s until t=6.5."""
+    return [read(k / 2, max(0, min(100, round(20 * (k / 2 - 1))))) for k in range(14)]
+
+
 def test_the_server_side_floor_spans_first_started_to_last_unfinished_read():
     # 100 tokens at 20 tok/s from t=1: reads every 0.5 s; the first read that saw
     # a charge answered at 1.51, the last unfinished one was sent at 5.5.
-    reads = [read(k / 2, max(0, min(100, round(20 * (k / 2 - 1))))) for k in range(14)]
+    reads = reads_at_20_per_s()
     assert_at_least_the_limit(reads, "u", before=0, total=100, limit=20)
     # The same counts at 21 tok/s's limit: 80 tokens over 3.99 s is below 97 %.
     with pytest.raises(AssertionError, match=r"at least 81\.3 needed"):
@@ -174,21 +180,19 @@ def test_the_server_side_floor_allows_for_the_time_the_engine_came_late():
     # 80 tokens over 3.99 s at 21 tok/s's limit need 81.3 (see above). The
     # engine counted 0.1 s late between the first charged read and the read
     # after the last unfinished one: 2.1 tokens fewer are needed.
+    never_late = reads_at_20_per_s()
     reads = [
-        Read(k / 2, k / 2 + 0.01, {"u": count}, {"u": 0.3 if k <= 3 else 0.4})
-        for k, count in enumerate(
-            max(0, min(100, round(20 * (k / 2 - 1)))) for k in range(14)
-        )
+        replace(r, engine_late_s={"u": 0.3 if k <= 3 else 0.4})
+        for k, r in enumerate(never_late)
     ]
     assert_at_least_the_limit(reads, "u", before=0, total=100, limit=21)
     # Counted only on the read after the last unfinished one (k = 12): still
     # allowed for. Counted on none of the reads: not.
-    late_at_the_end = [Read(r.sent, r.received, r.charged, {"u": 0.0}) for r in reads]
-    late_at_the_end[12] = Read(
-        reads[12].sent, reads[12].received, reads[12].charged, {"u": 0.1}
-    )
+    late_at_the_end = [
+        replace(r, engine_late_s={"u": 0.1 if k == 12 else 0.0})
+        for k, r in enumerate(never_late)
+    ]
     assert_at_least_the_limit(late_at_the_end, "u", before=0, total=100, limit=21)
-    never_late = [Read(r.sent, r.received, r.charged) for r in reads]
     with pytest.raises(AssertionError, match=r"at least 81\.3 needed"):
         assert_at_least_the_limit(never_late, "u", before=0, total=100, limit=21)
 
@@ -196,7 +200,7 @@ def test_the_server_side_floor_allows_for_the_time_the_engine_came_late():
 def test_the_server_side_floor_may_fall_short_by_a_stated_allowance():
     # 80 tokens over 3.99 s at 21 tok/s's limit need 81.3 (see above); allowing
     # for 2 lost tokens they need 79.3.
-    reads = [read(k / 2, max(0, min(100, round(20 * (k / 2 - 1))))) for k in range(14)]
+    reads = reads_at_20_per_s()
     assert_at_least_the_limit(reads, "u", before=0, total=100, limit=21, allowance=2)
     with pytest.raises(AssertionError, match=r"at least 80\.3 needed"):
         assert_at_least_the_limit(
