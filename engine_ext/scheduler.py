@@ -88,6 +88,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -243,6 +244,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         )
         #: Whether the per-request hooks are bound (see ``_use_step_hooks``).
         self._step_hooks_bound: bool | None = None
+        #: Block size of each KV cache group when every group is full attention
+        #: (one block per ``block_size`` tokens a request grows): what
+        #: ``_kv_room_for`` bounds; None otherwise.
+        self._kv_block_sizes = _full_attention_block_sizes(self.kv_cache_config)
         #: Requests preempted to yield their slot, until next dispatched to sample.
         self._yielded: set[str] = set()
         self._step: _Step | None = None
@@ -482,13 +487,18 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                 self._restore_arrival_times(step)
             else:
                 self.running[:] = for_step
+        hidden: list[Request] = []
         try:
             if not shadow:
                 self._yield_slots(step)
+            if ordered and not throttle_prefills:
+                hidden = self._hide_parked(step)
             output = super().schedule(throttle_prefills)
         finally:
             self._step = None
             self.max_num_active_reqs = self._base_max_active
+            if hidden:
+                self.running.extend(hidden)
             if ordered:
                 self._restore_arrival_times(step)
                 rank = {id(req): i for i, req in enumerate(persistent_order)}
@@ -729,6 +739,55 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if needy:
             step.spare_slots = free + yielded - admitted
             step.needy_pending = {r.request_id for r in needy[:admitted]}
+
+    def _hide_parked(self, step: _Step) -> list[Request]:
+        """Takes the parked requests (the tail of ``running``, after
+        ``_yield_slots``) out of ``running`` for upstream's loops and returns
+        them, passed over for lack of budget; [] when upstream must see them.
+
+        Each would only be refused, one hook call and one pass of upstream's
+        loop body apiece, every step it stays parked. Hidden, upstream sees
+        what it would do with them refused, provided that:
+
+        - no preemption can happen (``_kv_room_for``): upstream's victim is
+          then ``running``'s tail, or the biased parked request under PRIORITY;
+        - they keep their slots: the active cap drops by their number (only
+          without ``max_num_active_seqs`` below ``max_num_seqs``, whose
+          accounting ``_reserve_under_active_cap`` keeps);
+        - no per-request budget split counts them (``long_prefill_token_threshold``
+          relaxes for a lone request);
+        - a waiting request still sees running ones when any hold the KV cache
+          (upstream applies its watermark only then).
+        """
+        if step.capped or self.scheduler_config.long_prefill_token_threshold:
+            return []
+        running = self.running
+        remaining = [r for r in step.parked if r.status == RequestStatus.RUNNING]
+        visible = len(running) - len(remaining)
+        if not remaining or running[visible] is not remaining[0]:
+            return []
+        if not visible and (self.waiting or self.kv_holding_waiting):
+            return []
+        if not self._kv_room_for(visible):
+            return []
+        del running[visible:]
+        self.max_num_active_reqs = self._base_max_active - len(remaining)
+        for request in remaining:
+            user = self._user_of.get(request.request_id, ANONYMOUS_USER)
+            step.refused.add(user)
+            self._record_skip(step, request, user)
+        return remaining
+
+    def _kv_room_for(self, requests: int) -> bool:
+        """Whether the KV cache has free blocks for the most that ``requests``
+        running requests can claim in one step, so that upstream's running loop
+        cannot preempt: each needs at most its new and lookahead tokens' worth
+        of blocks plus one, the step's tokens are at most its token budget."""
+        if self._kv_block_sizes is None:
+            return False  # a cache kind whose growth this bound does not cover
+        tokens = self.max_num_scheduled_tokens + requests * self.num_lookahead_tokens
+        needed = sum(tokens // size + 2 * requests for size in self._kv_block_sizes)
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= needed
 
     def _waiting_with_budget(self, step: _Step, limit: int) -> list[Request]:
         """Up to ``limit`` waiting requests, in admission order, that could start
@@ -1070,6 +1129,15 @@ def _first_yielding_to(victims: list[Request], request: Request) -> Request | No
         if victim.priority >= request.priority:
             return victims.pop(index)
     return None
+
+
+def _full_attention_block_sizes(config: KVCacheConfig) -> tuple[int, ...] | None:
+    """Each KV cache group's block size, or None unless every group is full
+    attention."""
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    if not specs or not all(isinstance(spec, FullAttentionSpec) for spec in specs):
+        return None
+    return tuple(spec.block_size for spec in specs)
 
 
 def _first_prefill_chunk(requests: list[Request]) -> Request | None:
