@@ -22,6 +22,10 @@ only place that knows vLLM's scheduler internals. It overrides these
   single refund point, "last served" bookkeeping, order restored. Each user
   with demand is granted up to its live requests in one limiter call and the
   grant is handed out one token per sampling request in service order.
+  Parked requests (the tail of ``running`` once ordered) are taken out of
+  ``running`` for upstream's loops whenever no preemption can occur in the step
+  (``_hide_parked``): each costs O(1), not a hook call and a pass of upstream's
+  loop body, which would only refuse it.
 - ``_reserve_prefill_lookahead()`` (paced steps): called once per candidate
   request in the running and the waiting loop after the token budget is applied
   and before KV allocation. Here a step that will *sample* takes 1 token of its
