@@ -16,6 +16,13 @@ only place that knows vLLM's scheduler internals. It overrides these
   each user's count is its live requests, kept as requests are added and freed:
   no per-request work but one check of the flag.
 
+  A *sleeper* step: every user that may be refused is known to have no
+  budget until a later time (it was left with none and its next token is not
+  yet due). Its requests are set aside for the step and counted as passed
+  over, and the step is otherwise a free one (``_sleepers_step``): a user
+  parked between two of its tokens costs no limiter call, ordering or
+  settlement.
+
   A *paced* step (otherwise): orders ``running`` when a user may lack budget at
   the step's start or a limit changed (rotation, parked requests last), calls
   upstream with the per-request hooks below bound, then settles the step: the
@@ -238,6 +245,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self._constrained: set[str] = set()
         #: user -> requests parked at the last step's start.
         self._parked_counts: dict[str, int] = {}
+        #: user -> when a user found with no budget (headroom 0) may take a token
+        #: again; valid until its headroom is next set (see ``_sleepers_step``).
+        self._asleep_until: dict[str, int] = {}
         #: When the last paced step started (None: none yet), and user -> its
         #: requests added since: what ``_record_engine_late`` compares.
         self._stepped_at_ns: int | None = None
@@ -353,6 +363,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             else:
                 del self._live[user]
                 self._headroom.pop(user, None)
+                self._asleep_until.pop(user, None)
                 self._constrained.discard(user)
                 if self.limiter.enabled:
                     self._ended.append(user)
@@ -467,9 +478,14 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if limit_changed:  # every user's headroom may have shrunk
             self._seen_limit_changes = budget.limit_changes
             self._headroom.clear()
+            self._asleep_until.clear()
             self._constrained = set(self._live)
         if not (self._constrained or self._yielded or self._throttling):
             return self._free_step(now_ns, budget, throttle_prefills)
+        if mode is Mode.ENFORCE:
+            output = self._sleepers_step(now_ns, budget, throttle_prefills)
+            if output is not None:
+                return output
         shadow = mode is Mode.SHADOW
         self._use_step_hooks(True)
         step = self._step = _Step(
@@ -599,9 +615,77 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_shared.on_step(now_ns)
         return output
 
+    def _sleepers_step(
+        self, now_ns: int, budget: BudgetSource, throttle_prefills: bool
+    ) -> SchedulerOutput | None:
+        """A free step for everyone but the *sleepers*: users known to have no
+        budget until a later time. Their requests are taken out of ``running``
+        for the step and counted as passed over; nobody else can be refused, so
+        upstream schedules alone and the rest is charged as in ``_free_step``.
+        A user parked between two of its tokens costs a step O(its requests),
+        not a paced step's ordering, limiter call and settlement.
+
+        None (the step is paced instead) unless: every constrained user sleeps,
+        with headroom 0 and a wake-up time still ahead (computed once per sleep,
+        exact for the limiter; a global store may learn of budget sooner, so
+        only the limiter qualifies); every sleeper's request is running and its
+        next step samples; nothing waits; and upstream cannot tell them gone
+        (no preemption possible, no active cap below the slots, no long-prefill
+        threshold, tracing off: see ``_hide_parked``)."""
+        if (
+            budget is not self.limiter
+            or self._yielded
+            or self._throttling
+            or self._tracing
+            or throttle_prefills
+            or self.waiting
+            or self.kv_holding_waiting
+            or self._base_max_active < self.max_num_running_reqs
+            or self.scheduler_config.long_prefill_token_threshold
+        ):
+            return None
+        constrained = self._constrained
+        asleep = self._asleep_until
+        for user in constrained:
+            wake_ns = asleep.get(user)
+            if wake_ns is None:
+                if self._headroom.get(user) != 0:
+                    return None
+                wake_ns = asleep[user] = budget.ready_at_ns(user, now_ns)
+            if wake_ns <= now_ns:
+                return None
+        running = self.running
+        user_of = self._user_of
+        visible: list[Request] = []
+        sleeping: dict[str, int] = {}
+        for request in running:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            if user not in constrained:
+                visible.append(request)
+            elif _next_step_samples(request):
+                sleeping[user] = sleeping.get(user, 0) + 1
+            else:
+                return None  # a prefill chunk it may compute: a paced step's call
+        if not self._kv_room_for(len(visible)):
+            return None
+        original = list(running)
+        running[:] = visible
+        try:
+            output = self._free_step(now_ns, budget, throttle_prefills)
+        finally:
+            _put_back(running, original, visible)
+        self._parked_counts = sleeping
+        accounting = self.accounting
+        for user, count in sleeping.items():
+            accounting.record(user, "throttled_skips", count)
+        if not output.num_scheduled_tokens and sleeping:
+            self.next_ready_ns = min(asleep[user] for user in sleeping)
+        return output
+
     def _set_headroom(self, user: str, headroom: int) -> None:
         """Records what ``user`` has left after a step (or now): whether it is
         constrained, and whether it may lack budget at the next step's start."""
+        self._asleep_until.pop(user, None)
         live = self._live.get(user, 0)
         if not live:
             self._headroom.pop(user, None)
@@ -1133,6 +1217,25 @@ def _first_yielding_to(victims: list[Request], request: Request) -> Request | No
         if victim.priority >= request.priority:
             return victims.pop(index)
     return None
+
+
+def _put_back(
+    running: list[Request], original: list[Request], shown: list[Request]
+) -> None:
+    """Restores ``running`` after a step that showed upstream only ``shown`` of
+    ``original``: ``original``'s order for the requests hidden or still there,
+    then any the step admitted. (Steps that hide requests admit and preempt
+    nothing; this keeps every request right even if one did, or raised midway.)"""
+    if running == shown:  # the usual case: nothing came or went
+        running[:] = original
+        return
+    present = {id(request) for request in running}
+    visible = {id(request) for request in shown}
+    known = {id(request) for request in original}
+    running[:] = [
+        *(r for r in original if id(r) in present or id(r) not in visible),
+        *(r for r in running if id(r) not in known),
+    ]
 
 
 def _full_attention_block_sizes(config: KVCacheConfig) -> tuple[int, ...] | None:

@@ -173,18 +173,24 @@ def test_charges_equal_sampling_dispatches_so_nothing_is_charged_twice(
 
 
 @MODES
-def test_a_refused_user_is_asked_once_per_step(tiny_model_dir, async_scheduling):
+def test_a_refused_user_is_asked_at_most_once_per_step(
+    tiny_model_dir, async_scheduling
+):
     scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=5)
-    use_counting_limiter(scheduler)
+    limiter = use_counting_limiter(scheduler)
     driver.add(make_request("u", max_tokens=100) for _ in range(6))
-    refused_steps = 0
+    refused_steps = steps_without_budget = 0
     for _ in range(30):
-        before = scheduler.limiter.take_calls["u"]
+        before = limiter.take_calls["u"]
+        has_budget = limiter.available("u", driver.clock.now_ns) > 0
         granted = len(driver.step_sampled(step_ms=5))
-        # One call per step, whether it grants 6 tokens, a few, or none.
-        assert scheduler.limiter.take_calls["u"] - before == 1
+        # One call per step while it has budget, whether it grants 6 tokens or
+        # a few; none while it has none (it sleeps: test_scheduler_sleepers).
+        assert limiter.take_calls["u"] - before == has_budget
         refused_steps += granted < 6
+        steps_without_budget += not has_budget
     assert refused_steps > 20
+    assert steps_without_budget > 5
 
 
 @MODES
@@ -569,12 +575,16 @@ def test_steps_are_free_while_every_user_has_budget_for_all_its_requests(
 
     limiter.set_rate("a", 20, driver.clock.now_ns)  # 3 streams at 100 tok/s
     skipped_before = scheduler.accounting.of("a").throttled_skips
+    paced_steps = 0
     for _ in range(20):
         driver.step()
-    assert (
-        scheduler._reserve_prefill_lookahead
-        == scheduler._paced_reserve_prefill_lookahead
-    )
+        paced_steps += (
+            scheduler._reserve_prefill_lookahead
+            == scheduler._paced_reserve_prefill_lookahead
+        )
+    # Paced whenever "a" has a token to take; between its tokens it sleeps
+    # (test_scheduler_sleepers).
+    assert paced_steps >= 4
     assert scheduler.accounting.of("a").throttled_skips > skipped_before
     assert scheduler.accounting.of("b").throttled_skips == 0
 
@@ -588,14 +598,27 @@ def test_the_limiter_is_asked_once_per_user_per_paced_step(
     )
     limiter = use_counting_limiter(scheduler)
     driver.add(make_request(u, max_tokens=300) for u in "abc" for _ in range(4))
-    paced_steps = 0
+    paced_steps = sleeping_steps = 0
     for _ in range(60):
         before = limiter.take_calls.copy()
+        # "a" and "b" run short all along: each step is paced, unless neither
+        # has a token to take (both sleep: test_scheduler_sleepers).
+        both_sleep = all(
+            limiter.available(user, driver.clock.now_ns) == 0 for user in "ab"
+        )
         driver.step(step_ms=10)
         calls = limiter.take_calls - before
         assert all(count == 1 for count in calls.values()), calls
-        paced_steps += (
+        paced = (
             scheduler._reserve_prefill_lookahead
             == scheduler._paced_reserve_prefill_lookahead
         )
-    assert paced_steps == 60  # "a" and "b" run short all along
+        assert paced != both_sleep
+        if both_sleep:
+            assert not calls["a"] and not calls["b"]
+        paced_steps += paced
+        sleeping_steps += both_sleep
+    # A token every 33 ms each, in step with each other: awake about one step
+    # in three.
+    assert paced_steps >= 15
+    assert sleeping_steps >= 30

@@ -44,6 +44,10 @@ def parked_beside_a_fast_user(tiny_model_dir, async_scheduling, **kwargs):
         user_rates={"slow": 1},
         **kwargs,
     )
+    # Between its tokens the slow user sleeps, and sleeper steps
+    # (test_scheduler_sleepers) take over from paced ones: these tests are
+    # about paced steps.
+    scheduler._sleepers_step = lambda *args: None
     slow = [make_request("slow", prompt_len=4, max_tokens=1000) for _ in range(4)]
     fast = make_request("fast", prompt_len=4, max_tokens=1000)
     driver.add([*slow, fast])
