@@ -135,6 +135,9 @@ PAYLOAD_INTERVAL_NS = 100_000_000
 #: among requests of the same priority. Far beyond any real arrival time.
 _PRIORITY_VICTIM_BIAS_S = 1e12
 
+#: No users: ``_free_step``'s default ``set_aside``.
+_NOBODY: Mapping[str, int] = {}
+
 
 @dataclass
 class _Throttling:
@@ -288,6 +291,15 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: request tracing is on (they end up on the request's span).
         self._tracing = bool(self.vllm_config.observability_config.otlp_traces_endpoint)
         self._throttling: dict[str, _Throttling] = {}
+        #: Whether the settings let sleeper steps hide requests from upstream
+        #: (``_sleepers_step``): tracing off (it records each throttled step
+        #: per request), no active cap below the slots, no long-prefill
+        #: threshold.
+        self._sleepers_allowed = not (
+            self._tracing
+            or self._base_max_active < self.max_num_running_reqs
+            or self.scheduler_config.long_prefill_token_threshold
+        )
         metrics = settings.metrics
         #: Builds the metrics payload carried to the API process in the step's
         #: SchedulerStats; None unless our stat logger is there to take it out.
@@ -559,14 +571,19 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         return output
 
     def _free_step(
-        self, now_ns: int, budget: BudgetSource, throttle_prefills: bool
+        self,
+        now_ns: int,
+        budget: BudgetSource,
+        throttle_prefills: bool,
+        set_aside: Mapping[str, int] = _NOBODY,
     ) -> SchedulerOutput:
         """A step in which every user with live requests has budget for all of
         them, so none can be refused: upstream schedules alone (no per-request
         hook, no reordering) and the dispatched sampling steps, which upstream
         marks ``is_prefill_chunk = False``, are charged after the fact, one
         limiter batch for all users. Preempted requests were never charged, so
-        there is nothing to refund."""
+        there is nothing to refund. ``set_aside``: users whose live requests
+        (that many each) are out of ``running`` for the step (sleepers)."""
         if self._step_hooks_bound:
             self._use_step_hooks(False)
         output = super().schedule(throttle_prefills)
@@ -574,18 +591,25 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         running = self.running
         counts: Mapping[str, int]
         # Dispatched and running requests are live, so when there are as many
-        # of each as live ones, ``running`` is exactly the dispatched requests.
+        # of each as live ones shown, ``running`` is exactly the dispatched
+        # requests.
+        shown = len(self._user_of) - (sum(set_aside.values()) if set_aside else 0)
         if (
-            len(dispatched) == len(self._user_of) == len(running)
+            len(dispatched) == shown == len(running)
             and _first_prefill_chunk(running) is None
         ):
-            # Every live request samples once (decoding, nothing waits): each
-            # user is charged its live requests, with no per-request work left
-            # but the check above. With all of its streams served, nothing is
-            # left to rotate (``_order_for_step`` starts at each user's first
-            # stream, as it does without an entry).
-            counts = self._live
-            self._last_served.clear()
+            # Every live request shown samples once (decoding, nothing waits):
+            # each user is charged its live requests, with no per-request work
+            # left but the check above. With all of its streams served, nothing
+            # is left to rotate (``_order_for_step`` starts at each user's
+            # first stream, as it does without an entry).
+            if set_aside:
+                counts = {u: n for u, n in self._live.items() if u not in set_aside}
+                for user in counts:
+                    self._last_served.pop(user, None)
+            else:
+                counts = self._live
+                self._last_served.clear()
         else:
             requests = self.requests
             sampled = [
@@ -633,15 +657,13 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         (no preemption possible, no active cap below the slots, no long-prefill
         threshold, tracing off: see ``_hide_parked``)."""
         if (
-            budget is not self.limiter
+            not self._sleepers_allowed
+            or budget is not self.limiter
             or self._yielded
             or self._throttling
-            or self._tracing
             or throttle_prefills
             or self.waiting
             or self.kv_holding_waiting
-            or self._base_max_active < self.max_num_running_reqs
-            or self.scheduler_config.long_prefill_token_threshold
         ):
             return None
         constrained = self._constrained
@@ -662,16 +684,21 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             if user not in constrained:
                 visible.append(request)
-            elif _next_step_samples(request):
+            elif request.num_computed_tokens >= request.num_tokens - 1:
                 sleeping[user] = sleeping.get(user, 0) + 1
             else:
                 return None  # a prefill chunk it may compute: a paced step's call
+        live = self._live
+        if len(sleeping) != len(constrained) or any(
+            live[user] != count for user, count in sleeping.items()
+        ):
+            return None  # a sleeper's request outside ``running``
         if not self._kv_room_for(len(visible)):
             return None
         original = list(running)
         running[:] = visible
         try:
-            output = self._free_step(now_ns, budget, throttle_prefills)
+            output = self._free_step(now_ns, budget, throttle_prefills, sleeping)
         finally:
             _put_back(running, original, visible)
         self._parked_counts = sleeping
