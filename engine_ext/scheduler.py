@@ -684,7 +684,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             if user not in constrained:
                 visible.append(request)
-            elif request.num_computed_tokens >= request.num_tokens - 1:
+            elif _next_step_samples(request):
                 sleeping[user] = sleeping.get(user, 0) + 1
             else:
                 return None  # a prefill chunk it may compute: a paced step's call
