@@ -10,7 +10,10 @@ import fakeredis
 import pytest
 import redis
 
+from pacing.claims import ClaimedBalances
+from store.claimer import Claimer
 from store.redis_store import connect
+from tools.counting_store import CountingStore
 from tools.redis_server import redis_server
 
 BACKENDS = ("fakeredis", "redis-server")
@@ -32,3 +35,17 @@ def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
     real.flushdb()
     yield real
     real.close()
+
+
+def claim_through_a_store(
+    scheduler, clock
+) -> tuple[ClaimedBalances, CountingStore, Claimer]:
+    """Makes claimed balances, filled from a fresh fakeredis store by a real
+    claimer on ``clock``, the budget ``scheduler`` spends from."""
+    shared = scheduler.output_rate_shared
+    balances = ClaimedBalances(scheduler.limiter)
+    with shared.lock:
+        shared.use_budget(balances)
+    store = CountingStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
+    claimer = Claimer(store, balances, shared.lock, clock, engine_id="e")
+    return balances, store, claimer

@@ -6,11 +6,8 @@ scheduler on a fake clock; the store is fakeredis (its script tests run on a rea
 
 from __future__ import annotations
 
-import fakeredis
-
 from pacing.claims import ClaimedBalances, Request
-from store.claimer import Claimer
-from tools.counting_store import CountingStore
+from tests.store_harness import claim_through_a_store
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
 from tools.scheduler_harness import make_request
@@ -22,11 +19,7 @@ def test_the_scheduler_emits_only_claimed_tokens(tiny_model_dir, async_schedulin
     10 ms step, for 1.5 s of the engine's clock (leases of 1 s expire)."""
     scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=100)
     shared = scheduler.output_rate_shared
-    balances = ClaimedBalances(scheduler.limiter)
-    with shared.lock:
-        shared.use_budget(balances)
-    store = CountingStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
-    claimer = Claimer(store, balances, shared.lock, driver.clock, engine_id="e")
+    balances, store, claimer = claim_through_a_store(scheduler, driver.clock)
     requests = [make_request(user, max_tokens=1000) for user in "ab" for _ in range(3)]
     driver.add(requests)
     sampled = 0

@@ -7,12 +7,9 @@ On vLLM's real Scheduler / AsyncScheduler with a fake clock."""
 
 from __future__ import annotations
 
-import fakeredis
 from vllm.v1.request import RequestStatus
 
-from pacing.claims import ClaimedBalances
-from store.claimer import Claimer
-from tools.counting_store import CountingStore
+from tests.store_harness import claim_through_a_store
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
 from tools.scheduler_harness import make_request
@@ -120,13 +117,22 @@ def test_only_sleepers_left_tell_the_engine_when_to_step_again(
     assert scheduler.next_ready_ns == scheduler.limiter.ready_at_ns("slow", now) > now
 
 
-@MODES
-def test_a_waiting_request_makes_the_step_paced(tiny_model_dir, async_scheduling):
-    scheduler, driver, _slow, _fast = slow_beside_fast(
+def asleep_beside_fast(tiny_model_dir, async_scheduling):
+    """``slow_beside_fast`` at 1 tok/s, after a step in which the slow user
+    slept."""
+    scheduler, driver, slow, fast = slow_beside_fast(
         tiny_model_dir, async_scheduling, slow_rate=1
     )
     driver.step(step_ms=STEP_MS)
     assert not paced(scheduler)
+    return scheduler, driver, slow, fast
+
+
+@MODES
+def test_a_waiting_request_makes_the_step_paced(tiny_model_dir, async_scheduling):
+    scheduler, driver, _slow, _fast = asleep_beside_fast(
+        tiny_model_dir, async_scheduling
+    )
     newcomer = make_request("other", prompt_len=4, max_tokens=10)
     driver.add([newcomer])
     driver.step(step_ms=STEP_MS)
@@ -136,11 +142,9 @@ def test_a_waiting_request_makes_the_step_paced(tiny_model_dir, async_scheduling
 
 @MODES
 def test_a_limit_change_wakes_sleepers_at_once(tiny_model_dir, async_scheduling):
-    scheduler, driver, slow, _fast = slow_beside_fast(
-        tiny_model_dir, async_scheduling, slow_rate=1
+    scheduler, driver, slow, _fast = asleep_beside_fast(
+        tiny_model_dir, async_scheduling
     )
-    driver.step(step_ms=STEP_MS)
-    assert not paced(scheduler)
     scheduler.limiter.set_rate("slow", 100_000, driver.clock.now_ns)
     sampled = driver.step_sampled(step_ms=STEP_MS)
     assert paced(scheduler)
@@ -151,12 +155,7 @@ def test_a_limit_change_wakes_sleepers_at_once(tiny_model_dir, async_scheduling)
 def test_no_sleeper_steps_with_a_global_store(tiny_model_dir, async_scheduling):
     # Claimed balances may grow by a claim before a sleeper's wake-up time.
     scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=20)
-    shared = scheduler.output_rate_shared
-    balances = ClaimedBalances(scheduler.limiter)
-    with shared.lock:
-        shared.use_budget(balances)
-    store = CountingStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
-    claimer = Claimer(store, balances, shared.lock, driver.clock, engine_id="e")
+    _balances, _store, claimer = claim_through_a_store(scheduler, driver.clock)
     driver.add(make_request("u", prompt_len=4, max_tokens=1000) for _ in range(4))
     throttled_steps = 0
     for _ in range(100):
