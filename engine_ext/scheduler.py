@@ -291,15 +291,17 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: request tracing is on (they end up on the request's span).
         self._tracing = bool(self.vllm_config.observability_config.otlp_traces_endpoint)
         self._throttling: dict[str, _Throttling] = {}
-        #: Whether the settings let sleeper steps hide requests from upstream
-        #: (``_sleepers_step``): tracing off (it records each throttled step
-        #: per request), no active cap below the slots, no long-prefill
-        #: threshold.
-        self._sleepers_allowed = not (
-            self._tracing
-            or self._base_max_active < self.max_num_running_reqs
+        #: Whether the settings let a step take requests out of ``running``
+        #: unnoticed by upstream (``_hide_parked``): no active cap below the
+        #: slots (whose accounting ``_reserve_under_active_cap`` keeps), no
+        #: long-prefill threshold (``get_request_counts()`` reads ``running``).
+        self._may_hide_from_upstream = not (
+            self._base_max_active < self.max_num_running_reqs
             or self.scheduler_config.long_prefill_token_threshold
         )
+        #: Whether sleeper steps may run (``_sleepers_step``): hiding allowed
+        #: and tracing off (it records each throttled step per request).
+        self._sleepers_allowed = self._may_hide_from_upstream and not self._tracing
         metrics = settings.metrics
         #: Builds the metrics payload carried to the API process in the step's
         #: SchedulerStats; None unless our stat logger is there to take it out.
@@ -874,7 +876,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         - a waiting request still sees running ones when any hold the KV cache
           (upstream applies its watermark only then).
         """
-        if step.capped or self.scheduler_config.long_prefill_token_threshold:
+        if not self._may_hide_from_upstream:
             return []
         running = self.running
         remaining = [r for r in step.parked if r.status == RequestStatus.RUNNING]
