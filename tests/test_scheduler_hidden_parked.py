@@ -147,3 +147,24 @@ def test_parked_requests_stay_in_sight_of_a_waiting_request_when_nothing_else_ru
     driver.step()
     assert {r.request_id for r in slow} <= set(hook_calls)
     assert len(scheduler.running) == 5
+
+
+@MODES
+@pytest.mark.parametrize(
+    "setting",
+    [{"max_num_active_seqs": 8}, {"long_prefill_token_threshold": 64}],
+    ids=["active_cap_below_slots", "long_prefill_threshold"],
+)
+def test_parked_requests_stay_in_sight_under_settings_that_read_running(
+    tiny_model_dir, async_scheduling, hook_calls, setting
+):
+    # An active cap below the slots is kept per request by our hook; a
+    # long-prefill threshold is relaxed by upstream for a lone running request.
+    # Either way upstream must see every running request.
+    _scheduler, driver, slow, fast = parked_beside_a_fast_user(
+        tiny_model_dir, async_scheduling, **setting
+    )
+    hook_calls.clear()
+    driver.run(3)
+    assert {r.request_id for r in slow} <= set(hook_calls)
+    assert fast.status == RequestStatus.RUNNING

@@ -7,6 +7,7 @@ On vLLM's real Scheduler / AsyncScheduler with a fake clock."""
 
 from __future__ import annotations
 
+import pytest
 from vllm.v1.request import RequestStatus
 
 from tests.store_harness import claim_through_a_store
@@ -166,3 +167,23 @@ def test_no_sleeper_steps_with_a_global_store(tiny_model_dir, async_scheduling):
             throttled_steps += 1
             assert paced(scheduler)
     assert throttled_steps >= 50
+
+
+@MODES
+@pytest.mark.parametrize(
+    "setting",
+    [{"max_num_active_seqs": 8}, {"long_prefill_token_threshold": 64}],
+    ids=["active_cap_below_slots", "long_prefill_threshold"],
+)
+def test_no_sleeper_steps_under_settings_that_read_running(
+    tiny_model_dir, async_scheduling, setting
+):
+    # Upstream reads both from ``running``, which a sleeper step would shorten.
+    scheduler, driver, slow, fast = slow_beside_fast(
+        tiny_model_dir, async_scheduling, **setting
+    )
+    for _ in range(50):
+        sampled = driver.step_sampled(step_ms=STEP_MS)
+        assert fast.request_id in sampled
+        assert paced(scheduler)
+    assert all(r.status == RequestStatus.RUNNING for r in slow)
