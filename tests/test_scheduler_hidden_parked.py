@@ -12,9 +12,9 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from engine_ext.scheduler import OutputRateSchedulerMixin
+from tools.scheduler_harness import SETTINGS_THAT_READ_RUNNING, make_request
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
-from tools.scheduler_harness import make_request
 
 
 @pytest.fixture
@@ -150,11 +150,7 @@ def test_parked_requests_stay_in_sight_of_a_waiting_request_when_nothing_else_ru
 
 
 @MODES
-@pytest.mark.parametrize(
-    "setting",
-    [{"max_num_active_seqs": 8}, {"long_prefill_token_threshold": 64}],
-    ids=["active_cap_below_slots", "long_prefill_threshold"],
-)
+@SETTINGS_THAT_READ_RUNNING
 def test_parked_requests_stay_in_sight_under_settings_that_read_running(
     tiny_model_dir, async_scheduling, hook_calls, setting
 ):

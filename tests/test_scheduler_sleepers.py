@@ -7,13 +7,12 @@ On vLLM's real Scheduler / AsyncScheduler with a fake clock."""
 
 from __future__ import annotations
 
-import pytest
 from vllm.v1.request import RequestStatus
 
 from tests.store_harness import claim_through_a_store
+from tools.scheduler_harness import SETTINGS_THAT_READ_RUNNING, make_request
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
-from tools.scheduler_harness import make_request
 
 STEP_MS = 2.0
 
@@ -170,11 +169,7 @@ def test_no_sleeper_steps_with_a_global_store(tiny_model_dir, async_scheduling):
 
 
 @MODES
-@pytest.mark.parametrize(
-    "setting",
-    [{"max_num_active_seqs": 8}, {"long_prefill_token_threshold": 64}],
-    ids=["active_cap_below_slots", "long_prefill_threshold"],
-)
+@SETTINGS_THAT_READ_RUNNING
 def test_no_sleeper_steps_under_settings_that_read_running(
     tiny_model_dir, async_scheduling, setting
 ):

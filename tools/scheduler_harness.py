@@ -124,6 +124,15 @@ SYNC_AND_ASYNC = pytest.mark.parametrize(
     "async_scheduling", [False, True], ids=["sync", "async"]
 )
 
+#: Runs a test once per scheduler setting that upstream applies by reading
+#: ``running`` (``setting``: ``make_scheduler`` keywords), under which no step
+#: may take requests out of it.
+SETTINGS_THAT_READ_RUNNING = pytest.mark.parametrize(
+    "setting",
+    [{"max_num_active_seqs": 8}, {"long_prefill_token_threshold": 64}],
+    ids=["active_cap_below_slots", "long_prefill_threshold"],
+)
+
 
 def driven_scheduler(
     model_dir: str, async_scheduling: bool, **kwargs
