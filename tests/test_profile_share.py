@@ -27,7 +27,7 @@ WORKER = 'process 102:"VLLM::Worker"'
 LOOP = "run_busy_loop (vllm/v1/engine/core.py:900)"
 HOOK = "hooked (engine_ext/hooks.py:131)"
 STEP = "step (vllm/v1/engine/core.py:400)"
-OURS = "_free_step (engine_ext/scheduler.py:515)"
+OURS = "free_step (engine_ext/scheduling/steps.py:160)"
 COUNTER = "__init__ (collections/__init__.py:600)"
 #: py-spy's --format raw: frames joined by ';', a space, the sample count.
 RAW = [

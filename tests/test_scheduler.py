@@ -17,6 +17,7 @@ from engine_ext.scheduler import (
     OutputRateScheduler,
     scheduler_class_for,
 )
+from engine_ext.scheduling import ordering
 from pacing.limiter import MAX_RATE, OutputRateLimiter
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import (
@@ -546,7 +547,7 @@ def test_pacing_off_binds_no_per_request_hook(tiny_model_dir):
 
 @MODES
 def test_steps_are_free_while_every_user_has_budget_for_all_its_requests(
-    tiny_model_dir, async_scheduling
+    tiny_model_dir, async_scheduling, monkeypatch
 ):
     """Free steps: upstream's own per-request methods, running never reordered,
     one limiter batch per step; a user that can run short makes steps paced."""
@@ -556,10 +557,10 @@ def test_steps_are_free_while_every_user_has_budget_for_all_its_requests(
     driver.add(requests)
     driver.run(3)  # the first step is paced: nobody's budget is known yet
 
-    def no_reordering(step):
+    def no_reordering(*args, **kwargs):
         raise AssertionError("running was reordered in a free step")
 
-    scheduler._order_for_step = no_reordering
+    monkeypatch.setattr(ordering, "order_for_step", no_reordering)
     sampled = Counter()
     for _ in range(20):
         before = limiter.take_calls.copy()
@@ -567,10 +568,10 @@ def test_steps_are_free_while_every_user_has_budget_for_all_its_requests(
             sampled[scheduler.user_of(scheduler.requests[request_id])] += 1
         assert (
             scheduler._reserve_prefill_lookahead
-            == scheduler._upstream_reserve_prefill_lookahead
+            == scheduler._request_hooks.upstream_reserve_prefill_lookahead
         )
         assert limiter.take_calls - before == Counter("abc")  # once per user
-    del scheduler._order_for_step
+    monkeypatch.undo()
     assert sampled == Counter({"a": 60, "b": 60, "c": 60})
 
     limiter.set_rate("a", 20, driver.clock.now_ns)  # 3 streams at 100 tok/s
@@ -580,7 +581,7 @@ def test_steps_are_free_while_every_user_has_budget_for_all_its_requests(
         driver.step()
         paced_steps += (
             scheduler._reserve_prefill_lookahead
-            == scheduler._paced_reserve_prefill_lookahead
+            == scheduler._request_hooks.reserve_prefill_lookahead
         )
     # Paced whenever "a" has a token to take; between its tokens it sleeps
     # (test_scheduler_sleepers).
@@ -611,7 +612,7 @@ def test_the_limiter_is_asked_once_per_user_per_paced_step(
         assert all(count == 1 for count in calls.values()), calls
         paced = (
             scheduler._reserve_prefill_lookahead
-            == scheduler._paced_reserve_prefill_lookahead
+            == scheduler._request_hooks.reserve_prefill_lookahead
         )
         assert paced != both_sleep
         if both_sleep:

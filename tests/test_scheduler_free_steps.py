@@ -45,7 +45,7 @@ def test_free_steps_charge_each_user_exactly_its_sampling_dispatches(
         assert charged == {
             u: Counter(_user(scheduler, rid) for rid in sampled)[u] for u in "abc"
         }
-        if scheduler._step_hooks_bound is False:  # a free step
+        if scheduler._steps.hooks_bound is False:  # a free step
             every_live_request_sampled += len(sampled) == len(scheduler.requests)
             with_prefill_chunk += len(sampled) < len(output.num_scheduled_tokens)
     assert every_live_request_sampled > 20
@@ -68,7 +68,7 @@ def test_a_user_running_short_in_free_steps_is_paced_before_it_overdraws(
     kinds = Counter()
     for _ in range(150):
         driver.step()
-        kinds["free" if scheduler._step_hooks_bound is False else "paced"] += 1
+        kinds["free" if scheduler._steps.hooks_bound is False else "paced"] += 1
         # Every token charged was there to take: the TAT is at most one
         # emission interval beyond the burst.
         now = driver.clock.now_ns
@@ -97,7 +97,7 @@ def test_after_steps_serving_every_stream_rotation_starts_at_the_first_stream(
     driver.step()  # paced: a limit changed
     for _ in range(5):
         assert sorted(driver.step_sampled()) == sorted(ids)
-        assert scheduler._step_hooks_bound is False  # a free step
+        assert scheduler._steps.hooks_bound is False  # a free step
     # At 10 tok/s with a full bucket: 2 tokens now, then 1 every 100 ms.
     scheduler.limiter.set_rate("u", 10, driver.clock.now_ns)
     served = [driver.step_sampled(step_ms=100) for _ in range(7)]

@@ -1,5 +1,5 @@
-"""Parked requests out of upstream's loops (``_hide_parked`` in
-``engine_ext.scheduler``): while no preemption can occur, a parked request costs
+"""Parked requests out of upstream's loops (``Hiding.hide_parked`` in
+``engine_ext.scheduling.hiding``): while no preemption can occur, a parked request costs
 a step no per-request hook call, yet is counted as passed over, keeps its slot,
 and keeps its place in ``running``; on vLLM's real Scheduler / AsyncScheduler
 with a fake clock. Where a step may preempt, parked requests stay in sight and
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from engine_ext.scheduler import OutputRateSchedulerMixin
+from engine_ext.scheduling.request_hooks import RequestHooks
 from tools.scheduler_harness import SETTINGS_THAT_READ_RUNNING, make_request
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
@@ -22,15 +22,13 @@ def hook_calls(monkeypatch) -> list[str]:
     """Request ids, one per call of the paced per-request hook of upstream's
     loops (``_reserve_prefill_lookahead`` in paced steps)."""
     calls: list[str] = []
-    original = OutputRateSchedulerMixin._paced_reserve_prefill_lookahead
+    original = RequestHooks.reserve_prefill_lookahead
 
     def counting(self, request, num_computed_tokens, num_new_tokens):
         calls.append(request.request_id)
         return original(self, request, num_computed_tokens, num_new_tokens)
 
-    monkeypatch.setattr(
-        OutputRateSchedulerMixin, "_paced_reserve_prefill_lookahead", counting
-    )
+    monkeypatch.setattr(RequestHooks, "reserve_prefill_lookahead", counting)
     return calls
 
 
@@ -47,7 +45,7 @@ def parked_beside_a_fast_user(tiny_model_dir, async_scheduling, **kwargs):
     # Between its tokens the slow user sleeps, and sleeper steps
     # (test_scheduler_sleepers) take over from paced ones: these tests are
     # about paced steps.
-    scheduler._sleepers_step = lambda *args: None
+    scheduler._steps.sleepers_step = lambda *args: None
     slow = [make_request("slow", prompt_len=4, max_tokens=1000) for _ in range(4)]
     fast = make_request("fast", prompt_len=4, max_tokens=1000)
     driver.add([*slow, fast])

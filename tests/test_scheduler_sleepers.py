@@ -1,8 +1,9 @@
-"""Sleeper steps (``_sleepers_step`` in ``engine_ext.scheduler``): a user known
-to have no budget until a later time costs a step only the setting aside of its
-requests, yet is served as soon as its next token is due, its streams take
-turns, its requests count as passed over, and anything a sleeper step cannot
-decide (a waiting request, a limit change, a global store) makes the step paced.
+"""Sleeper steps (``Steps.sleepers_step`` in ``engine_ext.scheduling.steps``): a
+user known to have no budget until a later time costs a step only the setting
+aside of its requests, yet is served as soon as its next token is due, its
+streams take turns, its requests count as passed over, and anything a sleeper
+step cannot decide (a waiting request, a limit change, a global store) makes the
+step paced.
 On vLLM's real Scheduler / AsyncScheduler with a fake clock."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def paced(scheduler) -> bool:
     """Whether the last step was paced (its per-request hooks bound)."""
     return (
         scheduler._reserve_prefill_lookahead
-        == scheduler._paced_reserve_prefill_lookahead
+        == scheduler._request_hooks.reserve_prefill_lookahead
     )
 
 
@@ -86,7 +87,7 @@ def test_sleeping_requests_count_as_passed_over_and_as_parked(
         driver.step(step_ms=STEP_MS)
         if not due:
             assert scheduler.accounting.of("slow").throttled_skips - skips == 4
-            assert scheduler._parked_counts == {"slow": 4}
+            assert scheduler._users.parked_counts == {"slow": 4}
 
 
 @MODES

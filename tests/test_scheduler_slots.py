@@ -68,7 +68,7 @@ def test_the_victim_is_the_users_most_recently_served_stream(
         max_num_seqs=4,
     )
     slow = fill_slots_with_parked(driver, scheduler, "slow", 4)
-    last_served = scheduler._last_served["slow"]
+    last_served = scheduler._users.last_served["slow"]
     driver.add([make_request("fast", prompt_len=4, max_tokens=5)])
     driver.step()
     assert [r.request_id for r in preempted(slow)] == [last_served]

@@ -1,0 +1,134 @@
+"""One paced step's grants: who was given, charged and refused which tokens.
+
+Each user with demand is asked once per step for a *grant*: up to as many
+tokens as it has live requests (``BudgetSource.take_up_to``). The grant is
+handed out one token per sampling request in service order, and a request is
+charged at most once per step. Whatever is left, or was handed to a request that
+was not dispatched, is given back when the step settles
+(``engine_ext.scheduling.settlement``): the single refund point.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine_ext.scheduling.step_accounting import ThrottleEpisodes
+from engine_ext.scheduling.users import UserBook
+from pacing.budget import BudgetSource
+from pacing.identity import ANONYMOUS_USER
+
+if TYPE_CHECKING:
+    from engine_ext.scheduling.upstream import Request
+
+
+class PacedStep:
+    """Bookkeeping of one paced ``schedule()`` call."""
+
+    __slots__ = (
+        "biased_arrival",
+        "book",
+        "budget",
+        "capped",
+        "charged",
+        "episodes",
+        "granted",
+        "left",
+        "needy_pending",
+        "now_ns",
+        "parked",
+        "refused",
+        "remaining",
+        "running_granted",
+        "running_throttled",
+        "shadow",
+        "shadow_skips",
+        "skips",
+        "spare_slots",
+        "user_of",
+    )
+
+    def __init__(
+        self,
+        now_ns: int,
+        budget: BudgetSource,
+        book: UserBook,
+        *,
+        capped: bool,
+        shadow: bool = False,
+        episodes: ThrottleEpisodes | None = None,
+    ) -> None:
+        self.now_ns = now_ns
+        self.budget = budget
+        self.book = book
+        self.user_of = book.user_of
+        #: Where refusals are recorded per request (request tracing on), or None.
+        self.episodes = episodes
+        self.left: dict[str, int] = {}  #: user -> tokens of its grant not handed out
+        self.granted: dict[str, int] = {}  #: user -> its grant
+        #: user -> tokens it had beyond its grant (0: the grant took them all).
+        self.remaining: dict[str, int] = {}
+        self.charged: dict[str, str] = {}  #: request id -> user, in service order
+        self.refused: set[str] = set()  #: users refused a token in this step
+        self.skips: dict[str, int] = {}  #: user -> requests passed over
+        #: Whether the active cap is below the slot count (only then does the
+        #: running loop count granted and throttled requests).
+        self.capped = capped
+        self.running_granted = 0  # running requests given tokens this step
+        self.running_throttled = 0  # running requests skipped for lack of budget
+        #: Shadow mode: a refusal is counted in ``shadow_skips`` (user -> n) and
+        #: the request runs uncharged.
+        self.shadow = shadow
+        self.shadow_skips: dict[str, int] = {}
+        #: request id -> its arrival time while biased for PRIORITY's victim choice.
+        self.biased_arrival: dict[str, float] = {}
+        self.parked: list[Request] = []  # in rotated order
+        #: Slots a refused user's waiting request may take for a prefill that stops
+        #: short of sampling; None: no user with budget is waiting for a slot.
+        self.spare_slots: int | None = None
+        #: Waiting requests of users with budget that the waiting loop has yet to
+        #: reach; no refused user's request is admitted ahead of them.
+        self.needy_pending: set[str] = set()
+
+    def tokens_left(self, user: str) -> int:
+        """Tokens of ``user``'s grant not yet handed out in this step; takes the
+        grant on first use (one budget call per user and step)."""
+        left = self.left.get(user)
+        if left is None:
+            left, remaining = self.budget.take_up_to(
+                user, self.book.live.get(user, 1), self.now_ns
+            )
+            self.left[user] = self.granted[user] = left
+            self.remaining[user] = remaining
+        return left
+
+    def has_budget(self, user: str) -> bool:
+        """Whether ``user`` could be charged another token now (its grant is
+        capped by its live requests, so an empty grant alone does not say)."""
+        return bool(self.tokens_left(user)) or bool(self.remaining[user])
+
+    def charge(self, request: Request) -> bool:
+        """Hands the request one token of its user's grant for this step (a
+        request is charged at most once per step); False: refused."""
+        request_id = request.request_id
+        if request_id in self.charged:
+            return True
+        user = self.user_of.get(request_id, ANONYMOUS_USER)
+        left = self.left.get(user)
+        if left is None:
+            left = self.tokens_left(user)
+        if left:
+            self.left[user] = left - 1
+            self.charged[request_id] = user
+            return True
+        if self.shadow:
+            self.shadow_skips[user] = self.shadow_skips.get(user, 0) + 1
+            return True
+        self.refused.add(user)
+        self.passed_over(request, user)
+        return False
+
+    def passed_over(self, request: Request, user: str) -> None:
+        """Counts a request passed over for lack of budget in this step."""
+        self.skips[user] = self.skips.get(user, 0) + 1
+        if self.episodes is not None:
+            self.episodes.passed_over(request.request_id, self.now_ns)

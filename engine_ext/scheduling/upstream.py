@@ -1,0 +1,188 @@
+"""What per-user pacing relies on in vLLM's V1 scheduler (0.32), in one place.
+
+Every attribute and method of vLLM's ``Scheduler`` that a concern module reads,
+writes or calls is reached through ``Upstream``, under a name of ours; the fields
+of ``Request`` they read are listed in ``REQUEST_FIELDS``. The concern modules of
+``engine_ext.scheduling`` import nothing from vLLM (an import-linter contract),
+so a new vLLM version means checking this module and the thin class
+(``engine_ext.scheduler``), which overrides upstream's methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+__all__ = [
+    "ASYNC_READY",
+    "REQUEST_FIELDS",
+    "RUNNING",
+    "STARTABLE",
+    "STEP_HOOK_NAMES",
+    "Request",
+    "SchedulerOutput",
+    "Upstream",
+    "first_prefill_chunk",
+    "full_attention_block_sizes",
+    "next_step_samples",
+]
+
+#: ``Request`` fields the concern modules read (and ``arrival_time``, which the
+#: PRIORITY victim bias writes for the length of a step).
+REQUEST_FIELDS = (
+    "request_id",
+    "status",
+    "priority",
+    "arrival_time",
+    "num_tokens",
+    "num_computed_tokens",
+    "is_prefill_chunk",
+)
+
+#: Upstream methods ``schedule()`` calls per request that paced steps hook.
+STEP_HOOK_NAMES = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request")
+
+RUNNING = RequestStatus.RUNNING
+#: Waiting states upstream can admit in this step (others wait for a grammar,
+#: a KV transfer or streamed input).
+STARTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+#: Waiting states that end without input to the engine (see
+#: ``Upstream.awaits_asynchronous_work``); streamed input arrives as input and
+#: wakes it.
+ASYNC_READY = (
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+)
+
+
+class Upstream:
+    """One vLLM scheduler as the concern modules see it.
+
+    What is fixed for a scheduler's life is read once; what upstream changes
+    (``running`` is replaced by ``update_from_output``) is read through on every
+    access. ``schedule`` is upstream's own ``schedule()``; ``preempt`` goes
+    through the scheduler's ``_preempt_request`` (ours, which then calls
+    upstream's).
+    """
+
+    __slots__ = (
+        "block_size",
+        "chunked_prefill",
+        "long_prefill_threshold",
+        "lookahead_tokens",
+        "max_active",
+        "prefix_caching",
+        "priority_policy",
+        "schedule",
+        "scheduler",
+        "slots",
+        "token_budget",
+    )
+
+    def __init__(
+        self, scheduler: Scheduler, schedule: Callable[[bool], SchedulerOutput]
+    ) -> None:
+        self.scheduler = scheduler
+        self.schedule = schedule
+        #: ``--max-num-seqs``: requests that may hold a model-runner slot.
+        self.slots: int = scheduler.max_num_running_reqs
+        #: ``--max-num-active-seqs`` as configured (the per-step cap moves).
+        self.max_active: int = scheduler.max_num_active_reqs
+        self.token_budget: int = scheduler.max_num_scheduled_tokens
+        self.lookahead_tokens: int = scheduler.num_lookahead_tokens
+        self.block_size: int = scheduler.block_size
+        self.priority_policy = scheduler.policy == SchedulingPolicy.PRIORITY
+        self.chunked_prefill = bool(scheduler.scheduler_config.enable_chunked_prefill)
+        self.prefix_caching = bool(scheduler.cache_config.enable_prefix_caching)
+        self.long_prefill_threshold = bool(
+            scheduler.scheduler_config.long_prefill_token_threshold
+        )
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests holding a slot; upstream's running loop walks them in order."""
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> Iterable[Request]:
+        """The waiting queue, in admission order (sized, truthy when non-empty)."""
+        return self.scheduler.waiting
+
+    def anything_waits(self) -> bool:
+        """Whether a request waits, to start or for its KV cache to be held."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) or bool(scheduler.kv_holding_waiting)
+
+    def waiting_count(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def held_slots(self) -> int:
+        """Slots taken: running requests and those streaming input."""
+        scheduler = self.scheduler
+        return len(scheduler.running) + scheduler.num_waiting_for_streaming_input
+
+    def requests(self) -> dict[str, Request]:
+        """Every request the scheduler knows, by id."""
+        return self.scheduler.requests
+
+    def set_active_cap(self, cap: int) -> None:
+        """The active cap for this step: upstream reads it only in the waiting loop."""
+        self.scheduler.max_num_active_reqs = cap
+
+    def free_kv_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def blocks_can_be_freed(self, request: Request) -> bool:
+        """Whether preempting ``request`` would free its KV blocks."""
+        return self.scheduler._request_blocks_can_be_freed(request)
+
+    def preempt(self, request: Request) -> None:
+        """Takes ``request`` out of ``running`` and preempts it (recomputed
+        when it resumes), through the scheduler's ``_preempt_request``."""
+        self.scheduler.running.remove(request)
+        self.scheduler._preempt_request(request, time.monotonic())
+
+    def awaits_asynchronous_work(self) -> bool:
+        """Whether a waiting request depends on work that completes without any
+        input reaching the engine (a structured-output grammar compiling in a
+        thread pool, a KV transfer): only a later step notices it is done."""
+        scheduler = self.scheduler
+        return any(
+            request.status in ASYNC_READY
+            for queue in (scheduler.waiting, scheduler.kv_holding_waiting)
+            for request in queue
+        )
+
+
+def full_attention_block_sizes(config: KVCacheConfig) -> tuple[int, ...] | None:
+    """Each KV cache group's block size, or None unless every group is full
+    attention."""
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    if not specs or not all(isinstance(spec, FullAttentionSpec) for spec in specs):
+        return None
+    return tuple(spec.block_size for spec in specs)
+
+
+def first_prefill_chunk(requests: list[Request]) -> Request | None:
+    """The first scheduled request whose step ends inside its prefill (upstream
+    sets ``is_prefill_chunk`` on each request it schedules), or None. A plain
+    loop: CPython runs it twice as fast as ``any()`` over a generator."""
+    for request in requests:
+        if request.is_prefill_chunk:
+            return request
+    return None
+
+
+def next_step_samples(request: Request) -> bool:
+    """Whether the request's next computed position is a sampling one (it is
+    decoding, or one position short of the end of its prefill)."""
+    return request.num_computed_tokens >= request.num_tokens - 1
