@@ -83,7 +83,7 @@ class Upstream:
         "prefix_caching",
         "priority_policy",
         "schedule",
-        "scheduler",
+        "_scheduler",
         "slots",
         "token_budget",
     )
@@ -91,7 +91,7 @@ class Upstream:
     def __init__(
         self, scheduler: Scheduler, schedule: Callable[[bool], SchedulerOutput]
     ) -> None:
-        self.scheduler = scheduler
+        self._scheduler = scheduler
         self.schedule = schedule
         #: ``--max-num-seqs``: requests that may hold a model-runner slot.
         self.slots: int = scheduler.max_num_running_reqs
@@ -110,52 +110,52 @@ class Upstream:
     @property
     def running(self) -> list[Request]:
         """Requests holding a slot; upstream's running loop walks them in order."""
-        return self.scheduler.running
+        return self._scheduler.running
 
     @property
     def waiting(self) -> Iterable[Request]:
         """The waiting queue, in admission order (sized, truthy when non-empty)."""
-        return self.scheduler.waiting
+        return self._scheduler.waiting
 
     def anything_waits(self) -> bool:
         """Whether a request waits, to start or for its KV cache to be held."""
-        scheduler = self.scheduler
+        scheduler = self._scheduler
         return bool(scheduler.waiting) or bool(scheduler.kv_holding_waiting)
 
     def waiting_count(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self._scheduler.waiting)
 
     def held_slots(self) -> int:
         """Slots taken: running requests and those streaming input."""
-        scheduler = self.scheduler
+        scheduler = self._scheduler
         return len(scheduler.running) + scheduler.num_waiting_for_streaming_input
 
     def requests(self) -> dict[str, Request]:
         """Every request the scheduler knows, by id."""
-        return self.scheduler.requests
+        return self._scheduler.requests
 
     def set_active_cap(self, cap: int) -> None:
         """The active cap for this step: upstream reads it only in the waiting loop."""
-        self.scheduler.max_num_active_reqs = cap
+        self._scheduler.max_num_active_reqs = cap
 
     def free_kv_blocks(self) -> int:
-        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        return self._scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def blocks_can_be_freed(self, request: Request) -> bool:
         """Whether preempting ``request`` would free its KV blocks."""
-        return self.scheduler._request_blocks_can_be_freed(request)
+        return self._scheduler._request_blocks_can_be_freed(request)
 
     def preempt(self, request: Request) -> None:
         """Takes ``request`` out of ``running`` and preempts it (recomputed
         when it resumes), through the scheduler's ``_preempt_request``."""
-        self.scheduler.running.remove(request)
-        self.scheduler._preempt_request(request, time.monotonic())
+        self._scheduler.running.remove(request)
+        self._scheduler._preempt_request(request, time.monotonic())
 
     def awaits_asynchronous_work(self) -> bool:
         """Whether a waiting request depends on work that completes without any
         input reaching the engine (a structured-output grammar compiling in a
         thread pool, a KV transfer): only a later step notices it is done."""
-        scheduler = self.scheduler
+        scheduler = self._scheduler
         return any(
             request.status in ASYNC_READY
             for queue in (scheduler.waiting, scheduler.kv_holding_waiting)
