@@ -1,4 +1,4 @@
-"""Slots go to users with budget (issue 7, item 1), on a real local vLLM server:
+"""Slots go to users with budget, on a real local vLLM server:
 one throttled user fills every slot (``--max-num-seqs``) with parked streams,
 then another user's request arrives. Prints that request's latency beside its
 latency on the idle server, and the preemptions it cost.

@@ -1,4 +1,4 @@
-"""``schedule()`` cost with a store vs without (issue 11: within 1.05x, claims
+"""``schedule()`` cost with a store vs without (the goal: within 1.05x, claims
 are off the scheduling path), measured side by side in one run.
 
 ``schedule()`` + ``update_from_output()`` per step of our scheduler on vLLM's

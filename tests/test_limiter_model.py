@@ -1,5 +1,4 @@
-"""Model check of ``OutputRateLimiter`` with tiers, exemptions and pacing modes
-(issue 10).
+"""Model check of ``OutputRateLimiter`` with tiers, exemptions and pacing modes.
 
 A Hypothesis state machine drives the limiter, inside the ``SharedLimiter`` the
 scheduler and the control plane share, with random sequences of ``try_take``,
@@ -11,7 +10,7 @@ handed back through ``replace_limits``), default-rate changes, pacing-mode
 changes, idle-user cleanup and clock steps: standing still (also within a rule:
 many calls at one instant), forward and, in some runs, back.
 
-Modes act as ``engine_ext/scheduler.py`` applies them (``pacing.modes``): the
+Modes act as ``engine_ext/scheduling/steps.py`` applies them (``pacing.modes``): the
 mode is read from ``SharedLimiter.mode`` at each step and changed under its
 lock. ``enforce`` and ``shadow`` make the same limiter calls; what ``enforce``
 refuses is a throttled skip there and a shadow skip (run uncharged) in

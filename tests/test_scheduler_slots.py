@@ -1,7 +1,7 @@
-"""Slots go to users with budget (issue 7; ``engine_ext.scheduler`` module
-docstring): parked requests yield their model-runner slot or KV blocks to
-waiting requests of users with budget, on vLLM's real Scheduler / AsyncScheduler
-and KV manager with a fake clock."""
+"""Slots go to users with budget (``engine_ext.scheduling.slots``): parked
+requests yield their model-runner slot or KV blocks to waiting requests of users
+with budget, on vLLM's real Scheduler / AsyncScheduler and KV manager with a
+fake clock."""
 
 from __future__ import annotations
 

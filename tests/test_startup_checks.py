@@ -282,7 +282,7 @@ def test_a_bad_setting_ends_the_start_before_the_model_loads(
     assert not [line for line in MODEL_START_LINES if line in output]
 
 
-# -- the store's settings (issue 11) --------------------------------------------
+# -- the store's settings ------------------------------------------------------
 
 STORE_URL = "redis://127.0.0.1:6379/0"
 SECRET = "s3cret-Pa55"

@@ -75,6 +75,7 @@ class Upstream:
     """
 
     __slots__ = (
+        "_scheduler",
         "block_size",
         "chunked_prefill",
         "long_prefill_threshold",
@@ -83,7 +84,6 @@ class Upstream:
         "prefix_caching",
         "priority_policy",
         "schedule",
-        "_scheduler",
         "slots",
         "token_budget",
     )
