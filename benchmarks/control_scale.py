@@ -16,7 +16,8 @@ from collections.abc import Callable
 import grpc
 
 from control.server import create_server
-from control.service import MOST_THROTTLED_FIRST, LimitsService
+from control.service import LimitsService
+from control.user_states import MOST_THROTTLED_FIRST
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
 from pacing.shared import SharedLimiter

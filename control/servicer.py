@@ -13,16 +13,16 @@ from google.protobuf import empty_pb2 as _empty_pb2
 
 from control import names
 from control.errors import ResourceExhausted
-from control.service import (
+from control.resources import (
     Limit,
     LimitSpec,
-    LimitsService,
     LimitsTable,
     PacingMode,
     Tier,
     TierSpec,
     UserState,
 )
+from control.service import LimitsService
 from pacing.budget import Health, StoreView
 from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as _pb2

@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from control.service import MOST_THROTTLED_FIRST, LimitsService
+from control.service import LimitsService
+from control.user_states import MOST_THROTTLED_FIRST
 from pacing.shared import Reading
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving

@@ -1,0 +1,159 @@
+"""The limits table in force and how a change of it is committed: the change
+lock, the durable write (config file) or the publication (global store), the
+apply to the limiter, the table etag.
+
+Every read and write goes through ``SharedLimiter.lock`` (see
+``pacing.shared``). Changes are also serialised among themselves by a second
+lock, ``TableCommits.changes``, held while the new table is written to the
+config file; the scheduler never waits for that write, only for the in-memory
+apply. Order of a change: validate against the current table, write the whole
+new table and mode (``persist``), apply the change to the limiter (or the mode
+to the shared limiter) and bump the etag under the shared limiter's lock, then
+``wake()`` the engine. A failed write applies nothing.
+
+The change lock is the engine's ``pacing.global_limits`` hub lock. With a
+global store (``--output-rate-store``) the store takes the file's place: the
+whole new table and mode are published through the hub's backend
+(compare-and-set against the version this engine holds) before they are
+applied here. Another engine's change that came first answers ABORTED (this
+engine has applied it: read again and retry); a store that does not answer, or
+no backend yet, answers UNAVAILABLE and applies nothing. A table another engine
+published and this engine applied moves the table etag, as a local change does.
+
+Invariant: a change that was not persisted (or published) is not applied; the
+table etag moves, under ``shared.lock``, with every table applied, and a mode
+change alone does not move it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from control.errors import Aborted, Unavailable
+from control.resources import Etags
+from control.table import TableDocument
+from pacing import global_limits
+from pacing.limiter import OutputRateLimiter
+from pacing.shared import SharedLimiter
+
+#: Applies a change to the limiter at ``now_ns``; runs under the shared lock.
+Apply = Callable[[OutputRateLimiter, int], None]
+
+
+class TableCommits:
+    """The table and mode of ``shared``'s limiter, and the one way to change
+    them (see the module docstring).
+
+    ``persist``, when given, durably stores a whole new table (with the mode)
+    before it is applied (raises OSError on failure). ``global_store``: a store
+    holds the table; changes are refused until its backend is registered.
+    """
+
+    def __init__(
+        self,
+        shared: SharedLimiter,
+        *,
+        persist: Callable[[TableDocument], None] | None,
+        global_store: bool,
+    ) -> None:
+        self.shared = shared
+        self._persist = persist
+        self._hub = global_limits.hub(shared)
+        self._global_store = global_store
+        #: Serialises changes among themselves (the hub's lock).
+        self.changes = self._hub.lock
+        self._hub.on_table_change(self._changed_elsewhere)
+        # The etag: random per process, so an etag from before a restart never
+        # matches, plus a generation bumped with every change under shared.lock.
+        epoch = secrets.token_hex(4)
+        self._epoch = epoch
+        self._generation = 0
+        self.etags = Etags(epoch)
+
+    @property
+    def generation(self) -> int:
+        """How many tables were applied (see ``LimitsService.limit_changes``)."""
+        return self._generation
+
+    def etag(self) -> str:
+        """The table's etag. Requires shared.lock (or self.changes)."""
+        return f"{self._epoch}-{self._generation}"
+
+    def current(self) -> TableDocument:
+        with self.shared.lock:
+            return self.current_locked()
+
+    def current_locked(self) -> TableDocument:
+        """The table and mode in force, as a document of copies (default None
+        while pacing is off). Requires shared.lock."""
+        limiter = self.shared.limiter
+        return TableDocument(
+            default_rate=limiter.default_rate,
+            user_rates=limiter.user_rates,
+            tier_rates=limiter.tier_rates,
+            exempt_tiers=limiter.exempt_tiers,
+            memberships=limiter.memberships,
+            exempt_users=limiter.exempt_users,
+            mode=self.shared.mode,
+        )
+
+    def commit(
+        self, doc: TableDocument, apply: Apply | None, *, table: bool = True
+    ) -> str:
+        """Persists ``doc`` (the whole new table and mode), applies it and
+        announces it; returns the table's etag. Requires self.changes."""
+        backend = self._hub.backend
+        if backend is not None or self._global_store:
+            self._publish(backend, doc)
+        elif self._persist is not None:
+            try:
+                self._persist(doc)
+            except OSError as exc:
+                raise Unavailable(
+                    f"the change was not applied: writing the config file failed: {exc}"
+                ) from None
+        etag = self.apply(doc, apply, table=table)
+        self.shared.wake()
+        return etag
+
+    def apply(self, doc: TableDocument, apply: Apply | None, *, table: bool) -> str:
+        """Runs ``apply`` on the limiter, makes ``doc.mode`` the mode and, for a
+        change of the table, bumps the etag; returns it. Requires
+        self.changes."""
+        shared = self.shared
+        with shared.lock:
+            if apply is not None:
+                apply(shared.limiter, shared.clock())
+            if doc.mode is not None:
+                shared.mode = doc.mode
+            if table:
+                self._generation += 1
+            return self.etag()
+
+    def _publish(
+        self, backend: global_limits.LimitsBackend | None, doc: TableDocument
+    ) -> None:
+        """Makes ``doc`` every engine's through the store. Requires
+        self.changes (the hub's lock)."""
+        if backend is None:
+            raise Unavailable(
+                "the change was not applied: the limits store is not connected yet"
+            )
+        assert doc.mode is not None  # current() always reads the mode
+        try:
+            backend.publish(doc.default_rate, doc.limit_table(), doc.mode)
+        except global_limits.LimitsConflict:
+            raise Aborted(
+                "the limits table was changed through another engine since this "
+                "engine read it; it is applied here now: read it again and retry"
+            ) from None
+        except global_limits.LimitsUnavailable as exc:
+            raise Unavailable(
+                f"the change was not applied: the limits store did not take it: {exc}"
+            ) from None
+
+    def _changed_elsewhere(self) -> None:
+        """A table from another engine was applied: the table etag moves.
+        Called with shared.lock held."""
+        self._generation += 1

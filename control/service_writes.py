@@ -1,0 +1,366 @@
+"""Changes of one part of the limits table, or of the mode: the default, one
+entry, one tier, the mode. Changes of the whole table are in ``table_writes``.
+
+Each change checks its request's own fields first (``write_requests``), then,
+holding ``commits.changes``, checks it against the table in force (existence,
+etag, room, tiers) and commits the whole new table through
+``TableCommits.commit``.
+
+Invariant: every check runs before ``TableCommits.commit``, so a refused
+change leaves the table, the mode and their etags as they were; and no change
+leaves a user in a tier that does not exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from control import names
+from control.commits import TableCommits
+from control.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from control.resources import (
+    EntryFields,
+    Limit,
+    PacingMode,
+    Tier,
+    check_etag,
+    entry,
+    no_limit,
+    no_tier,
+)
+from control.table import (
+    MAX_EXPLICIT_LIMITS,
+    MAX_TIERS,
+    TableDocument,
+    check_rate,
+    check_tier,
+    check_user,
+    shown,
+)
+from control.write_requests import (
+    LIMIT_FIELDS,
+    MODE_FIELDS,
+    RATE_FIELD,
+    TIER_FIELDS,
+    entry_rate,
+    mask_fields,
+    set_fields,
+)
+from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
+
+
+def update_default_limit(
+    commits: TableCommits, name: str, tokens_per_second: int, update_mask: Sequence[str]
+) -> int:
+    """Sets the default limit; returns it."""
+    names.check_singleton(name, names.DEFAULT_LIMIT, field="default_limit.name")
+    mask_fields(update_mask, (RATE_FIELD,), {RATE_FIELD})
+    rate = check_rate(tokens_per_second, field="default_limit.tokens_per_second")
+    with commits.changes:
+        doc = dataclasses.replace(commits.current(), default_rate=rate)
+        commits.commit(doc, lambda limiter, now: limiter.set_default_rate(rate, now))
+    return rate
+
+
+def create_limit(
+    commits: TableCommits,
+    limit_id: str,
+    tokens_per_second: int,
+    *,
+    tier: str,
+    exempt: bool,
+) -> Limit:
+    """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
+    user = check_user(limit_id, field="limit_id")
+    rate = entry_rate(tokens_per_second, bool(tier) or exempt, "limit")
+    tier_id = names.parse_tier(tier, field="limit.tier") if tier else None
+    with commits.changes:
+        doc = commits.current()
+        if user in doc.users():
+            raise AlreadyExists(
+                f"{shown(names.limit_name(user))} exists; use UpdateLimit"
+            )
+        _check_tier_exists(doc, tier_id, field="limit.tier")
+        _check_room(len(doc.users()) + 1)
+        return _commit_entry(commits, doc, user, (rate, tier_id, exempt))
+
+
+def update_limit(
+    commits: TableCommits,
+    name: str,
+    tokens_per_second: int,
+    update_mask: Sequence[str],
+    *,
+    allow_missing: bool,
+    tier: str,
+    exempt: bool,
+    etag: str,
+) -> Limit:
+    """Changes the fields of entry ``name`` that ``update_mask`` selects
+    (empty: those set, see the proto); creates it with ``allow_missing``. An
+    update that leaves nothing removes the entry."""
+    user = names.parse_user(name, names.LIMITS, field="limit.name")
+    given = set_fields(
+        {RATE_FIELD: tokens_per_second != 0, "tier": bool(tier), "exempt": exempt}
+    )
+    fields = mask_fields(update_mask, LIMIT_FIELDS, given)
+    rate: int | None = None
+    if RATE_FIELD in fields:
+        # 0 clears the rate only when the mask names it: an empty mask with
+        # nothing set means the rate, which must then be valid.
+        rate = entry_rate(tokens_per_second, bool(update_mask), "limit")
+    tier_id = None
+    if "tier" in fields and tier:
+        tier_id = names.parse_tier(tier, field="limit.tier")
+    with commits.changes:
+        doc = commits.current()
+        current = _entry_fields(doc, user)
+        if current is None and not allow_missing:
+            raise no_limit(user)
+        check_etag(etag, commits.etags.limit(user, current), names.limit_name(user))
+        old_rate, old_tier, old_exempt = current or (None, None, False)
+        new = (
+            rate if RATE_FIELD in fields else old_rate,
+            tier_id if "tier" in fields else old_tier,
+            exempt if "exempt" in fields else old_exempt,
+        )
+        _check_tier_exists(doc, new[1], field="limit.tier")
+        if current is None:
+            if new == (None, None, False):
+                return Limit(user, 0)  # nothing to create
+            _check_room(len(doc.users()) + 1)
+        return _commit_entry(commits, doc, user, new)
+
+
+def delete_limit(
+    commits: TableCommits, name: str, *, allow_missing: bool, etag: str
+) -> None:
+    """Removes the entry ``name`` (the default applies again)."""
+    user = names.parse_user(name, names.LIMITS, field="name")
+    with commits.changes:
+        doc = commits.current()
+        current = _entry_fields(doc, user)
+        if current is None:
+            if allow_missing:
+                return
+            raise no_limit(user)
+        check_etag(etag, commits.etags.limit(user, current), names.limit_name(user))
+        _commit_entry(commits, doc, user, (None, None, False))
+
+
+def create_tier(
+    commits: TableCommits, tier_id: str, tokens_per_second: int, exempt: bool
+) -> Tier:
+    """Creates tier ``tier_id``; AlreadyExists if it exists."""
+    tier = check_tier(tier_id, field="tier_id")
+    rate = entry_rate(tokens_per_second, exempt, "tier")
+    with commits.changes:
+        doc = commits.current()
+        if tier in doc.tiers:
+            raise AlreadyExists(
+                f"{shown(names.tier_name(tier))} exists; use UpdateTier"
+            )
+        _check_tier_room(doc)
+        return _commit_tier(commits, doc, tier, rate, exempt)
+
+
+def update_tier(
+    commits: TableCommits,
+    name: str,
+    tokens_per_second: int,
+    exempt: bool,
+    update_mask: Sequence[str],
+    *,
+    allow_missing: bool,
+    etag: str,
+) -> Tier:
+    """Changes the fields of tier ``name`` that ``update_mask`` selects
+    (empty: those set, see the proto); creates it with ``allow_missing``. An
+    update that leaves neither a rate nor an exemption removes the tier."""
+    tier = names.parse_tier(name, field="tier.name")
+    given = set_fields({RATE_FIELD: tokens_per_second != 0, "exempt": exempt})
+    fields = mask_fields(update_mask, TIER_FIELDS, given)
+    rate: int | None = None
+    if RATE_FIELD in fields:
+        rate = entry_rate(tokens_per_second, bool(update_mask), "tier")
+    with commits.changes:
+        doc = commits.current()
+        exists = tier in doc.tiers
+        if not exists:
+            if not allow_missing:
+                raise no_tier(tier)
+            _check_tier_room(doc)
+        current = (doc.tier_rates.get(tier), tier in doc.exempt_tiers)
+        check_etag(
+            etag,
+            commits.etags.tier(tier, *current) if exists else "",
+            names.tier_name(tier),
+        )
+        new_rate = rate if RATE_FIELD in fields else current[0]
+        new_exempt = exempt if "exempt" in fields else current[1]
+        if new_rate is None and not new_exempt and not exists:
+            return Tier(tier, 0, False)  # nothing to create
+        return _commit_tier(commits, doc, tier, new_rate, new_exempt)
+
+
+def delete_tier(
+    commits: TableCommits, name: str, *, allow_missing: bool, etag: str
+) -> None:
+    """Removes tier ``name``; FailedPrecondition while it has members."""
+    tier = names.parse_tier(name, field="name")
+    with commits.changes:
+        doc = commits.current()
+        if tier not in doc.tiers:
+            if allow_missing:
+                return
+            raise no_tier(tier)
+        current = commits.etags.tier(
+            tier, doc.tier_rates.get(tier), tier in doc.exempt_tiers
+        )
+        check_etag(etag, current, names.tier_name(tier))
+        _commit_tier(commits, doc, tier, None, False)
+
+
+def update_pacing_mode(
+    commits: TableCommits,
+    name: str,
+    mode: Mode | None,
+    update_mask: Sequence[str],
+    *,
+    etag: str,
+) -> PacingMode:
+    """Switches the pacing mode (``None``: an unknown value, refused)."""
+    names.check_singleton(name, names.PACING_MODE, field="pacing_mode.name")
+    mask_fields(update_mask, MODE_FIELDS, set(MODE_FIELDS))
+    if mode is None:
+        raise InvalidArgument("pacing_mode.mode must be ENFORCE, SHADOW or OFF")
+    with commits.changes:
+        doc = commits.current()
+        assert doc.mode is not None  # current() always reads the mode
+        check_etag(etag, commits.etags.mode(doc.mode), names.PACING_MODE)
+        commits.commit(dataclasses.replace(doc, mode=mode), None, table=False)
+    return PacingMode(mode, commits.etags.mode(mode))
+
+
+def _commit_entry(
+    commits: TableCommits, doc: TableDocument, user: str, fields: EntryFields
+) -> Limit:
+    """Commits ``user``'s new entry (all None/False: removed). Requires
+    commits.changes."""
+    rate, tier, exempt = fields
+    users, memberships = dict(doc.user_rates), dict(doc.memberships)
+    exempt_users = set(doc.exempt_users)
+    _put(users, user, rate)
+    _put(memberships, user, tier)
+    if exempt:
+        exempt_users.add(user)
+    else:
+        exempt_users.discard(user)
+    new = dataclasses.replace(
+        doc,
+        user_rates=users,
+        memberships=memberships,
+        exempt_users=frozenset(exempt_users),
+    )
+
+    def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
+        # Exempt first and lift last: the user is never briefly limited.
+        if exempt:
+            limiter.set_user_exempt(user, True, now_ns)
+        limiter.set_rate(user, rate, now_ns)
+        limiter.set_membership(user, tier, now_ns)
+        if not exempt:
+            limiter.set_user_exempt(user, False, now_ns)
+
+    commits.commit(new, apply)
+    return entry(commits.etags, user, rate or 0, tier, exempt) or Limit(user, 0)
+
+
+def _commit_tier(
+    commits: TableCommits,
+    doc: TableDocument,
+    tier: str,
+    rate: int | None,
+    exempt: bool,
+) -> Tier:
+    """Commits ``tier``'s new rate and exemption (None and False: removed;
+    FailedPrecondition while it has members). Requires commits.changes."""
+    members = sum(1 for t in doc.memberships.values() if t == tier)
+    if rate is None and not exempt and members:
+        raise FailedPrecondition(
+            f"{shown(names.tier_name(tier))} has {members} member(s): move "
+            "them to another tier (or remove their tier) first"
+        )
+    rates = dict(doc.tier_rates)
+    _put(rates, tier, rate)
+    exempt_tiers = set(doc.exempt_tiers)
+    if exempt:
+        exempt_tiers.add(tier)
+    else:
+        exempt_tiers.discard(tier)
+    new = dataclasses.replace(
+        doc, tier_rates=rates, exempt_tiers=frozenset(exempt_tiers)
+    )
+
+    def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
+        # Additions before removals: the tier never stops existing midway.
+        if exempt:
+            limiter.set_tier_exempt(tier, True, now_ns)
+        if rate is not None or tier in limiter.tier_rates:
+            limiter.set_tier_rate(tier, rate, now_ns)
+        if not exempt and tier in limiter.exempt_tiers:
+            limiter.set_tier_exempt(tier, False, now_ns)
+
+    commits.commit(new, apply)
+    if rate is None and not exempt:
+        return Tier(tier, 0, False)
+    etag = commits.etags.tier(tier, rate, exempt)
+    return Tier(tier, rate or 0, exempt, members, etag)
+
+
+def _entry_fields(doc: TableDocument, user: str) -> EntryFields | None:
+    """``user``'s entry in ``doc``, or None without one."""
+    fields = (
+        doc.user_rates.get(user),
+        doc.memberships.get(user),
+        user in doc.exempt_users,
+    )
+    return None if fields == (None, None, False) else fields
+
+
+def _put(mapping: dict[str, Any], key: str, value: Any) -> None:
+    """Sets ``mapping[key]``, or removes it for ``None``."""
+    if value is None:
+        mapping.pop(key, None)
+    else:
+        mapping[key] = value
+
+
+def _check_room(count: int) -> None:
+    if count > MAX_EXPLICIT_LIMITS:
+        raise ResourceExhausted(
+            f"the table holds at most {MAX_EXPLICIT_LIMITS} users with a "
+            "limit, tier or exemption; delete some first"
+        )
+
+
+def _check_tier_exists(doc: TableDocument, tier: str | None, *, field: str) -> None:
+    if tier is not None and tier not in doc.tiers:
+        raise FailedPrecondition(
+            f"{field}: {shown(names.tier_name(tier))} does not exist; create it first"
+        )
+
+
+def _check_tier_room(doc: TableDocument) -> None:
+    if len(doc.tiers) >= MAX_TIERS:
+        raise ResourceExhausted(
+            f"the table holds at most {MAX_TIERS} tiers; delete some first"
+        )

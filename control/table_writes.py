@@ -1,0 +1,160 @@
+"""Changes of the whole limits table: replacing it (``ReplaceLimitsTable``) and
+reloading it from the config file.
+
+A replacement is checked on its own first (``parse_table``: ids, duplicates,
+rates, memberships, sizes), then against the table etag under
+``commits.changes``, and committed as one new table; a reload is applied
+without being persisted, since it came from the config file.
+
+Invariant: the limiter takes a new whole table in one apply under
+``shared.lock`` (``_replace_with``), so no read sees part of an old table and
+part of a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from control import names
+from control.commits import Apply, TableCommits
+from control.errors import Aborted, InvalidArgument
+from control.resources import LimitSpec, LimitsTable, TierSpec, table_of
+from control.table import (
+    TableDocument,
+    check_rate,
+    check_table_size,
+    check_tier_count,
+    shown,
+)
+from control.write_requests import entry_rate
+from pacing.limiter import OutputRateLimiter
+
+
+def parse_table(
+    default_tokens_per_second: int,
+    limits: Iterable[LimitSpec],
+    tiers: Iterable[TierSpec],
+) -> TableDocument:
+    """The table a ``ReplaceLimitsTable`` request holds, checked on its own
+    (ids, duplicates, rates, memberships, sizes); its mode is None."""
+    default = check_rate(
+        default_tokens_per_second, field="limits_table.default_tokens_per_second"
+    )
+    tier_rates: dict[str, int] = {}
+    exempt_tiers: set[str] = set()
+    seen_tiers: set[str] = set()
+    for index, spec in enumerate(tiers):
+        where = f"limits_table.tiers[{index}]"
+        tier = names.parse_tier(spec.name, field=f"{where}.name")
+        if tier in seen_tiers:
+            raise InvalidArgument(
+                f"{where}.name: {shown(names.tier_name(tier))} appears more than once"
+            )
+        seen_tiers.add(tier)
+        rate = entry_rate(spec.tokens_per_second, spec.exempt, where)
+        if rate is not None:
+            tier_rates[tier] = rate
+        if spec.exempt:
+            exempt_tiers.add(tier)
+    check_tier_count(len(seen_tiers))
+    users: dict[str, int] = {}
+    memberships: dict[str, str] = {}
+    exempt_users: set[str] = set()
+    seen_users: set[str] = set()
+    for index, entry in enumerate(limits):
+        where = f"limits_table.limits[{index}]"
+        user = names.parse_user(entry.name, names.LIMITS, field=f"{where}.name")
+        if user in seen_users:
+            raise InvalidArgument(
+                f"{where}.name: {shown(names.limit_name(user))} appears more than once"
+            )
+        seen_users.add(user)
+        rate = entry_rate(
+            entry.tokens_per_second, bool(entry.tier) or entry.exempt, where
+        )
+        if rate is not None:
+            users[user] = rate
+        if entry.tier:
+            tier = names.parse_tier(entry.tier, field=f"{where}.tier")
+            if tier not in seen_tiers:
+                raise InvalidArgument(
+                    f"{where}.tier: {shown(entry.tier)} is not one of "
+                    "limits_table.tiers"
+                )
+            memberships[user] = tier
+        if entry.exempt:
+            exempt_users.add(user)
+    check_table_size(len(seen_users))
+    return TableDocument(
+        default_rate=default,
+        user_rates=users,
+        tier_rates=tier_rates,
+        exempt_tiers=frozenset(exempt_tiers),
+        memberships=memberships,
+        exempt_users=frozenset(exempt_users),
+    )
+
+
+def replace_limits_table(
+    commits: TableCommits,
+    default_tokens_per_second: int,
+    limits: Iterable[LimitSpec],
+    etag: str,
+    tiers: Iterable[TierSpec],
+) -> LimitsTable:
+    """Replaces the default, all entries and all tiers at once (not the
+    mode); Aborted when ``etag`` is not empty and not the current etag."""
+    table = parse_table(default_tokens_per_second, limits, tiers)
+    with commits.changes:
+        if etag and etag != commits.etag():
+            raise Aborted(
+                f"etag {shown(etag)} is not current: the table changed "
+                "since it was read; read it again and retry"
+            )
+        doc = dataclasses.replace(table, mode=commits.current().mode)
+        new_etag = commits.commit(doc, _replace_with(doc))
+    return table_of(commits.etags, doc, new_etag)
+
+
+def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> bool:
+    """Makes the document ``read()`` returns the table and mode, without
+    persisting it (it came from the config file); ``None`` or an equal
+    document changes nothing, a missing default or mode keeps the current
+    one. ``read`` runs under the change lock, so no RPC change interleaves.
+    Returns whether the table or the mode changed."""
+    with commits.changes:
+        doc = read()
+        if doc is None:
+            return False
+        current = commits.current()
+        doc = dataclasses.replace(
+            doc,
+            etag=None,
+            default_rate=(
+                current.default_rate if doc.default_rate is None else doc.default_rate
+            ),
+            mode=current.mode if doc.mode is None else doc.mode,
+        )
+        table_changed = not doc.same_table(current)
+        if not table_changed and doc.mode == current.mode:
+            return False
+        commits.apply(
+            doc, _replace_with(doc) if table_changed else None, table=table_changed
+        )
+    commits.shared.wake()
+    return True
+
+
+def _replace_with(doc: TableDocument) -> Apply:
+    """Applies the default and the whole table of ``doc`` (the core's table is
+    built here, off the scheduler lock)."""
+    table = doc.limit_table()
+    default = doc.default_rate
+
+    def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
+        if default is not None and default != limiter.default_rate:
+            limiter.set_default_rate(default, now_ns)
+        limiter.replace_limits(table, now_ns)
+
+    return apply
