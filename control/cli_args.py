@@ -1,0 +1,338 @@
+"""``output-rate-ctl``'s command line: the parser, its subcommands and the
+argument types that check every value.
+
+Invariant: every argument's value is checked here, before anything is sent:
+numbers against the range the proto field holds and the server accepts, user
+and tier ids by the one rule of ``pacing.identity.validate_user``, strings as
+well-formed Unicode, the token as printable ASCII (the combinations that
+create-tier and update-tier need are checked by those commands, also before
+sending); a usage error is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from typing import NoReturn
+
+from control import cli_commands, cli_import_export
+from control.cli_client import EXIT_USAGE
+from control.cli_commands import Command
+from control.cli_render import encodes, print_error
+from control.service import (
+    MAX_PAGE_SIZE,
+    MAX_WATCH_INTERVAL_NS,
+    MIN_WATCH_INTERVAL_NS,
+    MOST_THROTTLED_FIRST,
+)
+from pacing.identity import validate_user
+from pacing.limiter import MAX_RATE
+from pacing.modes import Mode
+from pacing.settings import DEFAULT_ADDRESS, TOKEN_ENV
+
+#: Longest --timeout: far beyond any call, far below where gRPC's deadline
+#: arithmetic overflows (about 1e10 s).
+MAX_TIMEOUT_S = 86_400.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line (argparse prints the usage first); subcommand
+    parsers are of this class, too (``add_subparsers`` uses the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        print_error(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(EXIT_USAGE)
+
+
+def _shown(raw: str, limit: int = 32) -> str:
+    """An argument for an error message: quoted, escaped, cut after ``limit``."""
+    return repr(raw) if len(raw) <= limit else repr(raw[:limit]) + "..."
+
+
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``low..high`` (no upper bound: None)."""
+    bounds = f", at least {low}" if high is None else f" between {low} and {high}"
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:  # also for more than 4300 digits
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number{bounds}, got {_shown(raw)}"
+            )
+        return value
+
+    return parse
+
+
+def _seconds(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number of seconds in ``low..high`` (not nan or inf)."""
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:  # false for nan
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds between {low:g} and {high:g}, "
+                f"got {_shown(raw)}"
+            )
+        return value
+
+    return parse
+
+
+def _user(raw: str) -> str:
+    try:
+        return validate_user(raw, field="the user id")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tier(raw: str) -> str:
+    try:
+        return validate_user(raw, field="the tier id")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _text(raw: str) -> str:
+    """Any well-formed Unicode (argv may hold lone surrogates: undecodable bytes)."""
+    if not encodes(raw):
+        raise argparse.ArgumentTypeError("must be well-formed Unicode")
+    return raw
+
+
+def _token(raw: str) -> str:
+    """A bearer token: printable ASCII, as a gRPC metadata value must be."""
+    if not all(" " <= ch <= "~" for ch in raw):
+        raise argparse.ArgumentTypeError(
+            f"the token (from --token or ${TOKEN_ENV}) must be printable ASCII"
+        )
+    return raw
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``output-rate-ctl``: each subcommand's ``run`` is its
+    ``Command``."""
+    parser = _Parser(
+        prog="output-rate-ctl",
+        description=(
+            "Read and change per-user output-token limits, tiers, exemptions and "
+            "the pacing mode of a vLLM engine."
+        ),
+        epilog="Exit status: 0 ok, 1 request refused (status code on stderr), 2 usage.",
+    )
+    parser.add_argument(
+        "--address",
+        type=_text,
+        default=DEFAULT_ADDRESS,
+        help="host:port (default %(default)s)",
+    )
+    parser.add_argument(
+        "--token",
+        type=_token,
+        default=os.environ.get(TOKEN_ENV),
+        help=f"bearer token (default: ${TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--tls-ca", metavar="PEM", help="CA of the server certificate (enables TLS)"
+    )
+    parser.add_argument(
+        "--tls-cert", metavar="PEM", help="client certificate chain (mTLS)"
+    )
+    parser.add_argument("--tls-key", metavar="PEM", help="client private key (mTLS)")
+    parser.add_argument(
+        "--tls-server-name",
+        type=_text,
+        metavar="NAME",
+        help="expected name in the server certificate",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds(0.001, MAX_TIMEOUT_S),
+        default=10.0,
+        help="seconds per call (default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary)
+        sub.set_defaults(run=run)
+        return sub
+
+    sub = command(
+        "list",
+        cli_commands.list_limits,
+        "list user entries: own limit, tier, exemption",
+    )
+    sub.add_argument(
+        "--page-size",
+        type=_whole(1, MAX_PAGE_SIZE),
+        default=MAX_PAGE_SIZE,
+        help="limits per request (default %(default)s)",
+    )
+    command("get", cli_commands.get_limit, "show one user's entry").add_argument(
+        "user", type=_user
+    )
+    sub = command(
+        "set", cli_commands.set_limit, "set one user's limit (creates it if missing)"
+    )
+    sub.add_argument("user", type=_user)
+    sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
+    sub.add_argument(
+        "--create", action="store_true", help="fail if the user has a limit already"
+    )
+    command(
+        "unset",
+        cli_commands.unset_limit,
+        "remove one user's own limit (its tier or the default applies)",
+    ).add_argument("user", type=_user)
+    sub = command(
+        "delete",
+        cli_commands.delete_entry,
+        "delete one user's entry: limit, tier, exemption (the default applies again)",
+    )
+    sub.add_argument("user", type=_user)
+    sub.add_argument(
+        "--allow-missing", action="store_true", help="succeed if there is none"
+    )
+    sub = command("assign", cli_commands.assign, "make a user a member of a tier")
+    sub.add_argument("user", type=_user)
+    sub.add_argument("tier", type=_tier)
+    command(
+        "unassign", cli_commands.unassign, "take a user out of its tier"
+    ).add_argument("user", type=_user)
+    command("exempt", cli_commands.exempt, "make a user unlimited").add_argument(
+        "user", type=_user
+    )
+    command(
+        "unexempt",
+        cli_commands.unexempt,
+        "lift a user's exemption (its limit applies again)",
+    ).add_argument("user", type=_user)
+    command(
+        "list-tiers", cli_commands.list_tiers, "list tiers with their member counts"
+    )
+    command("get-tier", cli_commands.get_tier, "show one tier").add_argument(
+        "tier", type=_tier
+    )
+    sub = command(
+        "create-tier",
+        cli_commands.create_tier,
+        "create a tier: a rate, --exempt or both",
+    )
+    sub.add_argument("tier", type=_tier)
+    sub.add_argument(
+        "rate", nargs="?", type=_whole(1, MAX_RATE), help="tokens per second"
+    )
+    sub.add_argument(
+        "--exempt",
+        action="store_true",
+        help="members without a limit of their own are unlimited",
+    )
+    sub = command(
+        "update-tier",
+        cli_commands.update_tier,
+        "change a tier's rate or exemption (members follow at the next step)",
+    )
+    sub.add_argument("tier", type=_tier)
+    rate = sub.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--rate", type=_whole(1, MAX_RATE), metavar="N", help="tokens per second"
+    )
+    rate.add_argument(
+        "--no-rate", dest="rate", action="store_const", const=0, help="remove the rate"
+    )
+    exemption = sub.add_mutually_exclusive_group()
+    exemption.add_argument("--exempt", action="store_const", const=True)
+    exemption.add_argument(
+        "--no-exempt", dest="exempt", action="store_const", const=False
+    )
+    sub.add_argument(
+        "--allow-missing", action="store_true", help="create the tier if there is none"
+    )
+    sub = command(
+        "delete-tier",
+        cli_commands.delete_tier,
+        "delete a tier (refused while it has members)",
+    )
+    sub.add_argument("tier", type=_tier)
+    sub.add_argument(
+        "--allow-missing", action="store_true", help="succeed if there is none"
+    )
+    command("get-mode", cli_commands.get_mode, "show the pacing mode")
+    command(
+        "set-mode",
+        cli_commands.set_mode,
+        "switch the pacing mode now (enforce, shadow, off)",
+    ).add_argument("mode", choices=[mode.value for mode in Mode])
+    command("get-default", cli_commands.get_default, "show the default limit")
+    command(
+        "set-default", cli_commands.set_default, "set the default limit"
+    ).add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
+    sub = command(
+        "state", cli_commands.state, "show limiter state of one user, or of all users"
+    )
+    sub.add_argument("user", nargs="?", type=_user)
+    sub.add_argument(
+        "--order-by",
+        type=_text,
+        default=MOST_THROTTLED_FIRST,
+        help="default: %(default)s",
+    )
+    sub.add_argument(
+        "--top", type=_whole(0), default=0, help="show at most N users (0: all)"
+    )
+    sub = command("watch", cli_commands.watch, "show limiter state live")
+    sub.add_argument(
+        "users",
+        nargs="*",
+        type=_user,
+        help="users to watch (default: the top ones)",
+    )
+    sub.add_argument(
+        "--interval",
+        type=_seconds(MIN_WATCH_INTERVAL_NS / 1e9, MAX_WATCH_INTERVAL_NS / 1e9),
+        default=1.0,
+        help="seconds between updates (default %(default)s)",
+    )
+    sub.add_argument(
+        "--order-by",
+        type=_text,
+        default=MOST_THROTTLED_FIRST,
+        help="default: %(default)s",
+    )
+    sub.add_argument(
+        "--top",
+        type=_whole(1, MAX_PAGE_SIZE),
+        default=20,
+        help="users per update without USERS (default %(default)s)",
+    )
+    sub.add_argument(
+        "--count", type=_whole(0), default=0, help="stop after N updates (0: never)"
+    )
+    sub = command(
+        "export",
+        cli_import_export.export,
+        "write the limits table and tiers as JSON (with its etag)",
+    )
+    sub.add_argument("file", nargs="?", help="output file (default: stdout)")
+    sub = command(
+        "import",
+        cli_import_export.import_table,
+        "replace the limits table and tiers from a file (not the mode)",
+    )
+    sub.add_argument("file", help="as written by export; - for stdin")
+    sub.add_argument(
+        "--force",
+        action="store_true",
+        help="replace even if the table changed since the export",
+    )
+    return parser

@@ -1,0 +1,230 @@
+"""``output-rate-ctl``'s output: proto messages as dicts, the dicts as JSON or as
+aligned tables, errors as one line on stderr.
+
+Invariant: proto messages become output only through the ``*_dict`` functions,
+so ``--json`` prints exactly the values the tables show; nothing here calls the
+server, and every error line is one printable line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from control import names
+from protos.outputrate.v1 import output_rate_pb2 as _pb2
+
+_STATE_COLUMNS = (
+    ("USER", "user"),
+    ("LIMIT/S", "limit_tokens_per_second"),
+    ("SOURCE", "limit_source"),
+    ("TIER", "tier"),
+    ("RECENT/S", "recent_tokens_per_second"),
+    ("NEXT_IN", "next_token_in_s"),
+    ("TAT_LEAD", "tat_lead_s"),
+    ("CHARGED", "tokens_charged"),
+    ("REFUNDS", "refunds"),
+    ("SKIPS", "throttled_skips"),
+    ("SHADOW", "shadow_skips"),
+    ("PREEMPTED", "throttled_preemptions"),
+    ("RUNNING", "running_requests"),
+    ("THROTTLED", "throttled_requests"),
+    ("LATE", "engine_late_s"),
+)
+#: Added to the states' table when the engine has a global store (``store``).
+_STORE_COLUMNS = (
+    ("HELD", "store_held_tokens"),
+    ("GLOBAL_TAT", "store_global_tat_lead_s"),
+    ("READ_AGO", "store_global_tat_read_age_s"),
+    ("STORE", "store_health"),
+)
+#: The keys of ``_store_dict`` (``store_`` and one of them name a store column).
+_STORE_KEYS = ("held_tokens", "global_tat_lead_s", "global_tat_read_age_s", "health")
+LIMIT_COLUMNS = (
+    ("USER", "user"),
+    ("TOKENS/S", "tokens_per_second"),
+    ("TIER", "tier"),
+    ("EXEMPT", "exempt"),
+)
+TIER_COLUMNS = (
+    ("TIER", "tier"),
+    ("TOKENS/S", "tokens_per_second"),
+    ("EXEMPT", "exempt"),
+    ("MEMBERS", "member_count"),
+)
+
+
+# -- messages as dicts --------------------------------------------------------
+
+
+def limit_dict(limit: _pb2.Limit) -> dict[str, Any]:
+    return {
+        "user": names.limit_user(limit.name),
+        "tokens_per_second": limit.tokens_per_second or None,
+        "tier": names.tier_id(limit.tier) or None,
+        "exempt": limit.exempt,
+    }
+
+
+def tier_dict(tier: _pb2.Tier) -> dict[str, Any]:
+    return {
+        "tier": names.tier_id(tier.name),
+        "tokens_per_second": tier.tokens_per_second or None,
+        "exempt": tier.exempt,
+        "member_count": tier.member_count,
+    }
+
+
+def mode_name(mode: _pb2.PacingMode) -> str:
+    return _pb2.PacingMode.Mode.Name(mode.mode).lower()
+
+
+def state_dict(state: _pb2.UserState) -> dict[str, Any]:
+    return {
+        "user": state.user,
+        "limit_tokens_per_second": state.limit_tokens_per_second,
+        "tat_lead_s": state.tat_lead.ToNanoseconds() / 1e9,
+        "next_token_in_s": state.next_token_in.ToNanoseconds() / 1e9,
+        "tokens_charged": state.tokens_charged,
+        "refunds": state.refunds,
+        "throttled_skips": state.throttled_skips,
+        "throttled_preemptions": state.throttled_preemptions,
+        "running_requests": state.running_requests,
+        "throttled_requests": state.throttled_requests,
+        "recent_tokens_per_second": state.recent_tokens_per_second,
+        "limit_source": _pb2.UserState.LimitSource.Name(state.limit_source).lower(),
+        "tier": names.tier_id(state.tier) or None,
+        "shadow_skips": state.shadow_skips,
+        "pacing_mode": _pb2.PacingMode.Mode.Name(state.pacing_mode).lower(),
+        "engine_late_s": state.engine_late.ToNanoseconds() / 1e9,
+        "store": _store_dict(state.store) if state.HasField("store") else None,
+    }
+
+
+def _store_dict(view: _pb2.StoreView) -> dict[str, Any]:
+    age = view.global_tat_read_age
+    return {
+        "held_tokens": view.held_tokens,
+        "global_tat_lead_s": view.global_tat_lead.ToNanoseconds() / 1e9,
+        "global_tat_read_age_s": age.ToNanoseconds() / 1e9
+        if view.HasField("global_tat_read_age")
+        else None,
+        "health": _pb2.StoreView.Health.Name(view.health).lower(),
+    }
+
+
+# -- one result, as JSON or as text -------------------------------------------
+
+
+def emit(
+    out: TextIO,
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    columns: Sequence[tuple[str, str]],
+    *,
+    single: bool = False,
+) -> None:
+    """Rows as JSON (one object when ``single``) or as an aligned table."""
+    if args.json:
+        print_json(out, rows[0] if single else rows)
+    else:
+        print_table(out, rows, columns)
+
+
+def emit_limit(out: TextIO, args: argparse.Namespace, limit: _pb2.Limit) -> None:
+    emit(out, args, [limit_dict(limit)], LIMIT_COLUMNS, single=True)
+
+
+def emit_tier(out: TextIO, args: argparse.Namespace, tier: _pb2.Tier) -> None:
+    emit(out, args, [tier_dict(tier)], TIER_COLUMNS, single=True)
+
+
+def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> None:
+    if args.json:
+        print_json(out, {"pacing_mode": mode_name(mode)})
+    else:
+        print(f"pacing mode: {mode_name(mode)}", file=out)
+
+
+def emit_default(
+    out: TextIO, args: argparse.Namespace, default: _pb2.DefaultLimit
+) -> None:
+    if args.json:
+        print_json(out, {"default_tokens_per_second": default.tokens_per_second})
+    else:
+        print(f"default: {default.tokens_per_second} tokens/s", file=out)
+
+
+def print_states(out: TextIO, mode: str, states: list[dict[str, Any]]) -> None:
+    """States (``state_dict``) as a table under a line with the pacing mode; with
+    the store's columns when any state has a store view."""
+    print(f"pacing mode: {mode}", file=out)
+    if any(state["store"] for state in states):
+        rows = [_with_store_columns(state) for state in states]
+        print_table(out, rows, _STATE_COLUMNS + _STORE_COLUMNS)
+    else:
+        print_table(out, states, _STATE_COLUMNS)
+
+
+def _with_store_columns(state: dict[str, Any]) -> dict[str, Any]:
+    store = state["store"] or {}
+    return {**state, **{f"store_{key}": store.get(key) for key in _STORE_KEYS}}
+
+
+# -- formats ------------------------------------------------------------------
+
+
+def print_json(out: TextIO, value: Any, indent: int | None = 2) -> None:
+    print(json.dumps(value, indent=indent, ensure_ascii=False), file=out)
+
+
+def print_error(line: str) -> None:
+    print(one_line(line), file=sys.stderr)
+
+
+def one_line(text: str) -> str:
+    """``text`` on one printable line: multi-line messages (YAML errors) joined,
+    other unprintable characters (lone surrogates too) escaped."""
+    joined = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return "".join(
+        ch if ch.isprintable() and encodes(ch) else ascii(ch)[1:-1] for ch in joined
+    )
+
+
+def encodes(text: str) -> bool:
+    """Whether ``text`` is well-formed Unicode (protobuf strings must be)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def print_table(
+    out: TextIO, rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]
+) -> None:
+    cells = [[title for title, _ in columns]]
+    cells += [[_cell(key, row[key]) for _, key in columns] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for row in cells:
+        # The first column (user ids) is left-aligned, numbers right-aligned.
+        line = [row[0].ljust(widths[0])]
+        line += [
+            cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)
+        ]
+        print("  ".join(line).rstrip(), file=out)
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key.endswith("_s"):
+        return f"{value * 1000:.0f}ms" if value < 10 else f"{value:.1f}s"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
