@@ -15,15 +15,15 @@ from control import secrets
 from control.errors import InvalidArgument
 from control.persistence import ConfigFile
 from control.server import BindRefused, check_authenticated
-from pacing.settings import (
+from pacing.flag_names import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
     TLS_CLIENT_CA_FLAG,
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
-    ControlSettings,
-    SettingsError,
 )
+from pacing.settings import ControlSettings
+from pacing.settings_checks import SettingsError
 
 
 def check(settings: ControlSettings) -> None:

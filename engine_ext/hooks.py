@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from engine_ext import idle_stats
 from engine_ext.supported import check_supported
-from pacing import attachments, settings
-from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings, SettingsError
+from pacing import attachments, settings_cli
+from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings
+from pacing.settings_checks import SettingsError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,7 +151,7 @@ def _add_cli_args(
         "The user comes from --output-rate-user-source (by default "
         "vllm_xargs.output_rate_user; none: __anonymous__).",
     )
-    settings.add_cli_args(group)
+    settings_cli.add_cli_args(group)
     return parser
 
 

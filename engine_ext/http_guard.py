@@ -25,6 +25,7 @@ from pydantic import TypeAdapter, ValidationError
 # Starlette that moved it fails at import, not silently.
 from starlette._utils import get_route_path
 
+from pacing.flag_names import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
 from pacing.identity import (
     HEADER,
     OPENAI_USER,
@@ -34,7 +35,7 @@ from pacing.identity import (
     UserSource,
     validate_user,
 )
-from pacing.settings import REQUIRE_USER_FLAG, USER_SOURCE_FLAG, OutputRateSettings
+from pacing.settings import OutputRateSettings
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send

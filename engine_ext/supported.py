@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pacing.settings import OutputRateSettings, SettingsError
+from pacing.settings import OutputRateSettings
+from pacing.settings_checks import SettingsError
 from pacing.store_settings import STORE_FLAG
 
 

@@ -34,7 +34,8 @@ from pacing.identity import (
     user_from_extra_args,
     validate_user,
 )
-from pacing.settings import OutputRateSettings, SettingsError, parse_user_rates
+from pacing.settings import OutputRateSettings
+from pacing.settings_checks import SettingsError, parse_user_rates
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 

@@ -1,0 +1,53 @@
+"""The command-line flag of every pacing setting (the store's flags are in
+``pacing.store_settings``), the tables from settings fields to their flags, and
+the values the flags share with the settings objects.
+
+Names only, no logic and no imports: the parser, the checks and the settings
+objects all take a flag's name from here, so every error names the flag the
+operator typed.
+"""
+
+from __future__ import annotations
+
+DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
+USER_RATES_FLAG = "--user-output-tokens-per-second"
+MODE_FLAG = "--output-rate-mode"
+TIERS_FLAG = "--output-rate-tiers"
+TIER_MEMBERS_FLAG = "--output-rate-tier-members"
+EXEMPT_USERS_FLAG = "--output-rate-exempt-users"
+EXEMPT_TIERS_FLAG = "--output-rate-exempt-tiers"
+USER_SOURCE_FLAG = "--output-rate-user-source"
+REQUIRE_USER_FLAG = "--output-rate-require-user"
+ADDRESS_FLAG = "--output-rate-control-address"
+CONFIG_FLAG = "--user-output-rate-config"
+TOKEN_FILE_FLAG = "--output-rate-control-token-file"
+TLS_CERT_FLAG = "--output-rate-control-tls-cert"
+TLS_KEY_FLAG = "--output-rate-control-tls-key"
+TLS_CLIENT_CA_FLAG = "--output-rate-control-tls-client-ca"
+
+#: Where the control plane listens unless told otherwise: loopback only.
+DEFAULT_ADDRESS = "127.0.0.1:50151"
+#: ``--output-rate-control-address`` value that runs no control plane.
+ADDRESS_OFF = "off"
+#: Environment variable holding the control plane's bearer token when no token
+#: file is given (read by the control plane and by ``output-rate-ctl``).
+TOKEN_ENV = "OUTPUT_RATE_CONTROL_TOKEN"
+
+#: Limit-table field of ``OutputRateSettings`` -> its flag.
+TABLE_FLAGS = {
+    "user_rates": USER_RATES_FLAG,
+    "tier_rates": TIERS_FLAG,
+    "memberships": TIER_MEMBERS_FLAG,
+    "exempt_users": EXEMPT_USERS_FLAG,
+    "exempt_tiers": EXEMPT_TIERS_FLAG,
+}
+
+#: ``ControlSettings`` field -> its flag.
+CONTROL_FLAGS = {
+    "address": ADDRESS_FLAG,
+    "config_path": CONFIG_FLAG,
+    "token_file": TOKEN_FILE_FLAG,
+    "tls_cert": TLS_CERT_FLAG,
+    "tls_key": TLS_KEY_FLAG,
+    "tls_client_ca": TLS_CLIENT_CA_FLAG,
+}

@@ -1,0 +1,152 @@
+"""Parsing and validation of the settings' values, shared by the flags and
+``additional_config``: ``SettingsError``, the JSON flags' values, arrays of
+names, each part of the limit table on its own, and unknown keys.
+
+Every failure raises a ``ValueError`` whose message names the flag or the key
+(``SettingsError`` everywhere but ``check_table_part``, whose callers wrap it);
+nothing here reads argparse or builds a settings object.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from pacing.flag_names import (
+    EXEMPT_TIERS_FLAG,
+    EXEMPT_USERS_FLAG,
+    TABLE_FLAGS,
+    TIER_MEMBERS_FLAG,
+    TIERS_FLAG,
+    USER_RATES_FLAG,
+)
+from pacing.identity import validate_user
+from pacing.limiter import validate_rate
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the flag or the key."""
+
+
+def parse_user_rates(raw: str | None) -> dict[str, int]:
+    """Parses ``--user-output-tokens-per-second`` JSON: ``{"user": rate, ...}``."""
+    rates: dict[str, int] = parse_json(raw, USER_RATES_FLAG)
+    return rates
+
+
+#: JSON flag -> (the JSON type of its value, what it is, an example).
+_JSON_FLAGS: dict[str, tuple[type, str, str]] = {
+    USER_RATES_FLAG: (
+        dict,
+        "object mapping user names to tokens per second",
+        '{"user-a": 100}',
+    ),
+    TIERS_FLAG: (
+        dict,
+        "object mapping tier names to tokens per second",
+        '{"free": 20}',
+    ),
+    TIER_MEMBERS_FLAG: (
+        dict,
+        "object mapping user names to tier names",
+        '{"user-b": "pro"}',
+    ),
+    EXEMPT_USERS_FLAG: (list, "array of user names", '["ops"]'),
+    EXEMPT_TIERS_FLAG: (list, "array of tier names", '["staff"]'),
+}
+
+
+def parse_json(raw: str | None, flag: str) -> Any:
+    """``flag``'s JSON value, checked to be of the flag's JSON type; empty when
+    the flag is absent or blank."""
+    kind, what, example = _JSON_FLAGS[flag]
+    if raw is None or raw.strip() == "":
+        return kind()
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(
+            f"{flag} is not valid JSON ({exc.msg} at position {exc.pos}); "
+            f"expected a JSON {what} like {example}"
+        ) from None
+    if not isinstance(value, kind):
+        raise SettingsError(f"{flag} must be a JSON {what}, got {type(value).__name__}")
+    return value
+
+
+def name_set(value: object, where: str) -> frozenset[str]:
+    """``value`` (an array of names) as a set; each name is validated later."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(
+        value, list | tuple | set | frozenset
+    ):
+        raise SettingsError(
+            f"{where} must be an array of names, got {type(value).__name__}"
+        )
+    for name in value:
+        if not isinstance(name, str):
+            raise SettingsError(
+                f"{where} must hold names (strings), got {name!r} of type "
+                f"{type(name).__name__}"
+            )
+    return frozenset(value)
+
+
+def object_entry(entry: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    """``entry[key]`` as a dict (absent or null: empty)."""
+    value = entry.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SettingsError(f"{where}[{key!r}] must be an object")
+    return dict(value)
+
+
+def names_entry(entry: Mapping[str, Any], key: str, where: str) -> frozenset[str]:
+    """``entry[key]`` as a set of names (absent or null: empty)."""
+    value = entry.get(key)
+    return frozenset() if value is None else name_set(value, f"{where}[{key!r}]")
+
+
+def check_table_part(name: str, value: Any) -> None:
+    """Validates the names and rates of limit-table field ``name`` on its own,
+    raising ValueError naming its flag: pacing.limits' rules (tier names follow
+    the user-id rule, as in ``validate_tier``). ``OutputRateSettings`` checks
+    the rules across fields."""
+    flag = TABLE_FLAGS[name]
+    if name == "user_rates":
+        for user, rate in value.items():
+            validate_user(user, field=f"user name in {flag}")
+            validate_rate(rate, field=f"{flag} rate of {user!r}")
+    elif name == "tier_rates":
+        for tier, rate in value.items():
+            validate_user(tier, field=f"tier name in {flag}")
+            validate_rate(rate, field=f"{flag} rate of {tier!r}")
+    elif name == "memberships":
+        for user, tier in value.items():
+            validate_user(user, field=f"user name in {flag}")
+            validate_user(tier, field=f"tier of {user!r} in {flag}")
+    elif name == "exempt_users":
+        for user in value:
+            validate_user(user, field=f"user name in {flag}")
+    else:
+        for tier in value:
+            validate_user(tier, field=f"tier name in {flag}")
+
+
+def field_names(cls: type) -> set[str]:
+    """The field names of dataclass ``cls``: the keys its entry may hold."""
+    return {f.name for f in fields(cls)}
+
+
+def check_keys(entry: object, where: str, known: set[str]) -> None:
+    """Refuses ``entry`` unless it is an object whose keys all are in ``known``."""
+    if not isinstance(entry, Mapping):
+        raise SettingsError(f"{where} must be an object")
+    unknown = set(entry) - known
+    if unknown:
+        raise SettingsError(
+            f"{where} has unknown keys {sorted(unknown)}; expected "
+            f"{', '.join(sorted(known))}"
+        )

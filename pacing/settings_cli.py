@@ -1,0 +1,317 @@
+"""The command-line side of the settings: ``add_cli_args`` adds every flag to a
+vLLM parser, each with an argparse ``type`` that checks its value as it is
+parsed, and ``dest`` and ``store_from_cli_args`` read the parsed values back.
+
+A bad value on its own is an argparse error; the rules across flags are checked
+once all are parsed, by ``OutputRateSettings.from_cli_args`` (``pacing.settings``),
+which this module does not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from pacing.flag_names import (
+    ADDRESS_FLAG,
+    ADDRESS_OFF,
+    CONFIG_FLAG,
+    DEFAULT_ADDRESS,
+    DEFAULT_RATE_FLAG,
+    EXEMPT_TIERS_FLAG,
+    EXEMPT_USERS_FLAG,
+    MODE_FLAG,
+    REQUIRE_USER_FLAG,
+    TABLE_FLAGS,
+    TIER_MEMBERS_FLAG,
+    TIERS_FLAG,
+    TLS_CERT_FLAG,
+    TLS_CLIENT_CA_FLAG,
+    TLS_KEY_FLAG,
+    TOKEN_ENV,
+    TOKEN_FILE_FLAG,
+    USER_RATES_FLAG,
+    USER_SOURCE_FLAG,
+)
+from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
+from pacing.limiter import validate_rate
+from pacing.modes import Mode, parse_mode
+from pacing.settings_checks import (
+    SettingsError,
+    check_table_part,
+    name_set,
+    parse_json,
+)
+from pacing.store_settings import (
+    DEFAULT_FAILURE_AFTER_S,
+    DEFAULT_TIMEOUT_MS,
+    FAILURE_AFTER_FLAG,
+    FAILURE_MODE_FLAG,
+    MAX_TIMEOUT_MS,
+    PASSWORD_ENV,
+    PASSWORD_FILE_FLAG,
+    STORE_FLAG,
+    TIMEOUT_FLAG,
+    FailureMode,
+    StoreSettings,
+    parse_failure_mode,
+    validate_failure_after,
+    validate_timeout_ms,
+    validate_url,
+)
+
+
+def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Adds every flag to ``group`` (a parser or an argument group); values are
+    checked as they are parsed, so a bad one is an argparse error."""
+    group.add_argument(
+        DEFAULT_RATE_FLAG,
+        type=_rate_arg,
+        default=None,
+        help="Enables pacing: output tokens/s shared by all requests of a user "
+        "without an explicit limit. Unset: the scheduler behaves as upstream.",
+    )
+    group.add_argument(
+        USER_RATES_FLAG,
+        type=_json_arg(USER_RATES_FLAG),
+        default=None,
+        help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
+    )
+    group.add_argument(
+        MODE_FLAG,
+        type=_mode_arg,
+        default=Mode.ENFORCE,
+        metavar="{" + ",".join(mode.value for mode in Mode) + "}",
+        help="What pacing does with its decisions: enforce them (default); "
+        "shadow: compute and export everything enforce would, throttle nobody; "
+        "off: the kill switch (limits kept, nothing recorded).",
+    )
+    group.add_argument(
+        TIERS_FLAG,
+        type=_json_arg(TIERS_FLAG),
+        default=None,
+        help='Named rate classes as a JSON object, e.g. \'{"free": 20, "pro": 200}\' '
+        "(tokens/s for each member).",
+    )
+    group.add_argument(
+        TIER_MEMBERS_FLAG,
+        type=_json_arg(TIER_MEMBERS_FLAG),
+        default=None,
+        help='Tier of each user as a JSON object, e.g. \'{"user-b": "pro"}\'. A '
+        "user's own limit wins over its tier's.",
+    )
+    group.add_argument(
+        EXEMPT_USERS_FLAG,
+        type=_json_arg(EXEMPT_USERS_FLAG),
+        default=None,
+        help="Users never throttled, as a JSON array, e.g. '[\"ops\"]'.",
+    )
+    group.add_argument(
+        EXEMPT_TIERS_FLAG,
+        type=_json_arg(EXEMPT_TIERS_FLAG),
+        default=None,
+        help="Tiers whose members (those without a limit of their own) are never "
+        "throttled, as a JSON array, e.g. '[\"staff\"]'.",
+    )
+    group.add_argument(
+        USER_SOURCE_FLAG,
+        type=_user_source_arg,
+        default=XARGS_SOURCE,
+        metavar="{xargs,header:NAME,openai-user}",
+        help="Where a request's user id comes from: vllm_xargs.output_rate_user "
+        "(xargs, the default; the client sets it), request header NAME (set by "
+        "a trusted gateway), or the OpenAI `user` field. With header:NAME or "
+        "openai-user a client-sent vllm_xargs.output_rate_user is refused (400).",
+    )
+    group.add_argument(
+        REQUIRE_USER_FLAG,
+        action="store_true",
+        help="Refuse (401) a request that names no user, instead of charging it "
+        "to __anonymous__.",
+    )
+    group.add_argument(
+        ADDRESS_FLAG,
+        default=DEFAULT_ADDRESS,
+        help="host:port of the gRPC control plane (limits, per-user state); "
+        f"'{ADDRESS_OFF}' runs none. Non-loopback addresses need a token or mTLS.",
+    )
+    group.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        metavar="PATH",
+        help="JSON or YAML file of limits, loaded at start (it wins over the "
+        "flags), rewritten after every change, watched for edits.",
+    )
+    group.add_argument(
+        TOKEN_FILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help=f"File holding the bearer token clients must send (default: "
+        f"${TOKEN_ENV}, if set).",
+    )
+    group.add_argument(
+        TLS_CERT_FLAG,
+        default=None,
+        metavar="PEM",
+        help="Server certificate chain (enables TLS).",
+    )
+    group.add_argument(
+        TLS_KEY_FLAG, default=None, metavar="PEM", help="Server private key."
+    )
+    group.add_argument(
+        TLS_CLIENT_CA_FLAG,
+        default=None,
+        metavar="PEM",
+        help="CA of client certificates; clients without one are refused (mTLS).",
+    )
+    group.add_argument(
+        STORE_FLAG,
+        type=_store_url_arg,
+        default=None,
+        metavar="URL",
+        help="Redis server holding every user's global budget, so that a "
+        "user's limit holds across engines (replicas, --data-parallel-size): "
+        "redis://HOST:PORT/DB, rediss://... (TLS; ?ssl_ca_certs=PEM), "
+        "unix:///PATH?db=N. Never a password in it. Unset: each engine paces "
+        "alone.",
+    )
+    group.add_argument(
+        PASSWORD_FILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help=f"File holding the store's password (default: ${PASSWORD_ENV}, if set).",
+    )
+    group.add_argument(
+        FAILURE_MODE_FLAG,
+        type=_failure_mode_arg,
+        default=None,
+        metavar="{" + ",".join(mode.value for mode in FailureMode) + "}",
+        help="What an engine does once the store has been unreachable for "
+        f"{FAILURE_AFTER_FLAG}: keep pacing each user at its local share "
+        "(default), fail-open (stop limiting) or fail-closed (pause every paced "
+        "user).",
+    )
+    group.add_argument(
+        FAILURE_AFTER_FLAG,
+        type=_seconds_arg,
+        default=None,
+        metavar="SECONDS",
+        help="Seconds of store outage before the failure mode applies "
+        f"(default {DEFAULT_FAILURE_AFTER_S:g}).",
+    )
+    group.add_argument(
+        TIMEOUT_FLAG,
+        type=_timeout_arg,
+        default=None,
+        metavar="MS",
+        help="Longest a store call may take before it counts as a failure "
+        f"(default {DEFAULT_TIMEOUT_MS}).",
+    )
+
+
+def dest(flag: str) -> str:
+    """The attribute argparse stores ``flag``'s value under (its ``dest``)."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+#: ``StoreSettings`` field -> its flag; the URL's flag turns the store on.
+_STORE_FLAGS = {
+    "password_file": PASSWORD_FILE_FLAG,
+    "failure_mode": FAILURE_MODE_FLAG,
+    "failure_after_s": FAILURE_AFTER_FLAG,
+    "timeout_ms": TIMEOUT_FLAG,
+}
+
+
+def store_from_cli_args(args: argparse.Namespace) -> StoreSettings | None:
+    """The store's flags as settings (flags not given: their defaults); ``None``
+    without ``STORE_FLAG``, when any other store flag is an error."""
+    url = getattr(args, dest(STORE_FLAG))
+    given = {
+        name: value
+        for name, flag in _STORE_FLAGS.items()
+        if (value := getattr(args, dest(flag))) is not None
+    }
+    if url is None:
+        if given:
+            flag = _STORE_FLAGS[next(iter(given))]
+            raise SettingsError(f"{flag} needs {STORE_FLAG}")
+        return None
+    try:
+        return StoreSettings(url, **given)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def _rate_arg(raw: str) -> int:
+    try:
+        return validate_rate(int(raw), field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (tokens per second), got {raw!r}: {exc}"
+        ) from None
+
+
+def _mode_arg(raw: str) -> Mode:
+    try:
+        return parse_mode(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _user_source_arg(raw: str) -> UserSource:
+    try:
+        return parse_user_source(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _store_url_arg(raw: str) -> str:
+    try:
+        return validate_url(raw)
+    except ValueError as exc:  # the message never holds the URL
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _failure_mode_arg(raw: str) -> FailureMode:
+    try:
+        return parse_failure_mode(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds_arg(raw: str) -> float:
+    try:
+        return validate_failure_after(float(raw), field="value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a non-negative number of seconds, got {raw!r}"
+        ) from None
+
+
+def _timeout_arg(raw: str) -> int:
+    try:
+        return validate_timeout_ms(int(raw), field="value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of milliseconds in 1..{MAX_TIMEOUT_MS}, "
+            f"got {raw!r}"
+        ) from None
+
+
+def _json_arg(flag: str) -> Callable[[str], str]:
+    """The argparse ``type`` of JSON flag ``flag``: checks the value on its own
+    (rules across flags are checked once all are parsed) and keeps the text."""
+    name = next(name for name, table_flag in TABLE_FLAGS.items() if table_flag == flag)
+
+    def check(raw: str) -> str:
+        try:
+            value = parse_json(raw, flag)
+            if isinstance(value, list):
+                value = name_set(value, flag)
+            check_table_part(name, value)
+        except ValueError as exc:  # SettingsError included
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return raw
+
+    return check
