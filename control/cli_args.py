@@ -21,16 +21,16 @@ from control import cli_commands, cli_import_export
 from control.cli_client import EXIT_USAGE
 from control.cli_commands import Command
 from control.cli_render import encodes, print_error
-from control.service import (
-    MAX_PAGE_SIZE,
+from control.ordering import MAX_PAGE_SIZE
+from control.user_states import (
     MAX_WATCH_INTERVAL_NS,
     MIN_WATCH_INTERVAL_NS,
     MOST_THROTTLED_FIRST,
 )
+from pacing.flag_names import DEFAULT_ADDRESS, TOKEN_ENV
 from pacing.identity import validate_user
 from pacing.limiter import MAX_RATE
 from pacing.modes import Mode
-from pacing.settings import DEFAULT_ADDRESS, TOKEN_ENV
 
 #: Longest --timeout: far beyond any call, far below where gRPC's deadline
 #: arithmetic overflows (about 1e10 s).

@@ -33,7 +33,7 @@ from control.cli_render import (
     state_dict,
     tier_dict,
 )
-from control.service import MAX_PAGE_SIZE
+from control.ordering import MAX_PAGE_SIZE
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 Command = Callable[[Client, argparse.Namespace, TextIO], int]

@@ -15,10 +15,6 @@ tokens, and hands each operation to the module of its concern:
 - ``resources``: what the operations take and return, with their etags;
 - ``ordering``: page sizes and the order of user states.
 
-Besides the service, this module names the bounds of the requests it takes
-(``MAX_PAGE_SIZE``, the watch interval's bounds, ``MOST_THROTTLED_FIRST``), for
-clients that check a request before sending it (the CLI).
-
 Invariant: the service keeps no state of its own beyond ``commits`` and the page
 tokens; every answer is read from, and every change made to, ``shared``'s
 limiter (see ``commits`` for the order of a change). An entry and a tier carry
@@ -32,7 +28,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 from control import service_reads, service_writes, table_writes, user_states
 from control.commits import TableCommits
-from control.ordering import MAX_PAGE_SIZE
 from control.pagination import PageTokens
 from control.resources import (
     Limit,
@@ -45,21 +40,10 @@ from control.resources import (
 )
 from control.table import TableDocument
 from control.user_states import (
-    MAX_WATCH_INTERVAL_NS,
-    MIN_WATCH_INTERVAL_NS,
-    MOST_THROTTLED_FIRST,
     WatchPlan,
 )
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
-
-__all__ = [
-    "MAX_PAGE_SIZE",
-    "MAX_WATCH_INTERVAL_NS",
-    "MIN_WATCH_INTERVAL_NS",
-    "MOST_THROTTLED_FIRST",
-    "LimitsService",
-]
 
 
 class LimitsService:

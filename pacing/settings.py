@@ -6,9 +6,8 @@ plugins), and written back there.
 A settings object that exists is valid: each one checks itself when built and
 raises ``SettingsError`` naming the flag or the key. The flags themselves are
 added and parsed in ``pacing.settings_cli``, their names are in
-``pacing.flag_names``, and the checks of single values in
-``pacing.settings_checks``; ``SettingsError``, ``DEFAULT_ADDRESS`` and
-``TOKEN_ENV`` are importable from here as well.
+``pacing.flag_names``, and the checks of single values (and ``SettingsError``)
+in ``pacing.settings_checks``.
 
 ``additional_config["output_rate"]`` (what the flags produce, and the offline
 ``LLM(additional_config=...)`` form)::
@@ -68,7 +67,6 @@ from pacing.flag_names import (
     TLS_CERT_FLAG,
     TLS_CLIENT_CA_FLAG,
     TLS_KEY_FLAG,
-    TOKEN_ENV,
     USER_SOURCE_FLAG,
 )
 from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
@@ -89,13 +87,10 @@ from pacing.store_settings import STORE_FLAG, StoreSettings
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
-    "DEFAULT_ADDRESS",
     "DEFAULT_MAX_LABELLED_USERS",
-    "TOKEN_ENV",
     "ControlSettings",
     "MetricsSettings",
     "OutputRateSettings",
-    "SettingsError",
 ]
 
 

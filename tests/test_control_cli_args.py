@@ -132,8 +132,9 @@ def test_the_bounds_are_accepted(ctl, rig):
 
 
 def test_the_console_script_refuses_a_huge_rate_with_one_line():
-    """The reproduction of the report, as an operator runs it: before, protobuf's
-    ``ValueError: Value out of range`` as a traceback and exit status 1."""
+    """As an operator runs it: a rate beyond what protobuf can carry is refused
+    by the CLI with one line, not protobuf's ``ValueError: Value out of range``
+    as a traceback."""
     result = subprocess.run(
         [
             sys.executable,
