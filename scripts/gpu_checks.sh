@@ -13,8 +13,10 @@ VENV=.venv-gpu
 "$VENV/bin/python" -m pip install -q -e ".[gpu,dev]"
 out=${OUT:-/tmp/output-rate-gpu}
 mkdir -p "$out"
-# Scheduler rules on the real AsyncScheduler (GPU wheel's vLLM).
-"$VENV/bin/python" -m pytest -q tests/test_scheduler.py tests/test_limiter.py
+# Scheduler rules on the real Scheduler / AsyncScheduler of the GPU wheel's vLLM:
+# the thin class, each concern module, and what upstream.py relies on.
+"$VENV/bin/python" -m pytest -q tests/test_scheduler*.py tests/test_scheduling_*.py \
+  tests/test_limiter.py
 for mode in async sync; do
   flag=--async-scheduling; [[ $mode == sync ]] && flag=--no-async-scheduling
   "$VENV/bin/python" -m benchmarks.compare_stock "$flag" \
