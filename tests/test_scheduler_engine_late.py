@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+from vllm.v1.request import RequestStatus
+
 from pacing.limiter import DEFAULT_BURST_NS
 from pacing.modes import Mode
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
@@ -52,6 +54,20 @@ def test_a_user_whose_request_arrived_during_the_gap_was_not_kept_waiting(
     # Once its request has been in the engine across a late gap, v counts too.
     step_across_gap(driver, BURST_MS + 25)
     assert (late_ms(scheduler, "u"), late_ms(scheduler, "v")) == (65, 25)
+
+
+@MODES
+def test_a_request_added_and_aborted_in_the_gap_leaves_the_waiting_one_counted(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = setup(tiny_model_dir, async_scheduling, default_rate=10)
+    driver.add([make_request("u", prompt_len=4)])
+    driver.step(BURST_MS + 60)
+    aborted = make_request("u", prompt_len=4)
+    driver.add([aborted])  # during the late gap, and gone before its end
+    scheduler.finish_requests(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    driver.step()
+    assert late_ms(scheduler, "u") == 60
 
 
 @MODES

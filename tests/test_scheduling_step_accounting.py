@@ -94,7 +94,8 @@ def test_engine_late_counts_what_the_gap_exceeded_the_burst_by_for_waiting_users
             T0, counted=True, burst_ns=BURST, live={}, added={}, accounting=accounting
         )
         now = T0 + gap_ns
-    added = dict(added)
+    # The table gives requests added per user; the book keeps request id -> user.
+    added = {f"{user}-{i}": user for user, n in added.items() for i in range(n)}
     engine_late.record(
         now,
         counted=counted,
@@ -113,7 +114,7 @@ def test_the_added_requests_are_forgotten_even_at_the_first_step_and_when_not_co
     engine_late = EngineLate()
     accounting = Accounting()
     for now, counted in ((T0, True), (T0 + 500 * MS, False)):
-        added = {"a": 1}
+        added = {"r1": "a"}
         engine_late.record(
             now,
             counted=counted,

@@ -118,6 +118,10 @@ GOLDEN = {
         [add("r1", "a"), remove("r1")],
         Want({}, {}, set(), set()),
     ),
+    "the last request ending while without budget leaves nothing behind": (
+        [add("r1", "a"), headroom("a", 0), remove("r1")],
+        Want({}, {}, set(), set()),
+    ),
     "headroom of a user without live requests is not kept": (
         [headroom("a", 3)],
         Want({}, {}, set(), set()),
@@ -165,7 +169,7 @@ def test_a_request_added_twice_is_not_counted_for_a_second_user():
     book.add("r1", "b", paced=True)
     assert book.user("r1") == "a"
     assert book.live == {"a": 1}
-    assert book.added_since_step == {"a": 1}
+    assert book.added_since_step == {"r1": "a"}
 
 
 def test_only_paced_additions_count_towards_the_engine_late_gap():
@@ -173,8 +177,20 @@ def test_only_paced_additions_count_towards_the_engine_late_gap():
     book.add("r1", "a", paced=True)
     book.add("r2", "a", paced=True)
     book.add("r3", "b", paced=False)
-    assert book.added_since_step == {"a": 2}
+    assert book.added_since_step == {"r1": "a", "r2": "a"}
     assert book.live == {"a": 2, "b": 1}
+
+
+def test_a_request_added_and_ended_within_a_gap_is_not_counted_as_added():
+    """Otherwise a user with a request waiting across the gap, and another
+    added and aborted in it, would look as if its only waiting request was new."""
+    book = UserBook()
+    book.add("r1", "a", paced=True)
+    book.added_since_step.clear()  # a step starts: r1 waits across the gap
+    book.add("r2", "a", paced=True)
+    book.remove("r2", paced=True)
+    assert book.added_since_step == {}
+    assert book.live == {"a": 1}
 
 
 def test_a_users_last_request_ending_is_reported_once_when_paced():

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from pacing.accounting import Accounting
@@ -34,19 +35,20 @@ class EngineLate:
         counted: bool,
         burst_ns: int,
         live: dict[str, int],
-        added: dict[str, int],
+        added: dict[str, str],
         accounting: Accounting,
     ) -> None:
         """A step starts at ``now_ns``: every user with more live requests than
-        it added since the previous step had one waiting across the gap and is
-        charged ``engine_late_ns`` for what exceeded the burst. ``added`` is
-        cleared for the next gap."""
+        live ones added since the previous step (``added``: request id -> user)
+        had one waiting across the gap and is charged ``engine_late_ns`` for
+        what exceeded the burst. ``added`` is cleared for the next gap."""
         previous, self.stepped_at_ns = self.stepped_at_ns, now_ns
         if counted and previous is not None:
             late_ns = now_ns - previous - burst_ns
             if late_ns > 0:
+                new = Counter(added.values())
                 for user, count in live.items():
-                    if count > added.get(user, 0):
+                    if count > new.get(user, 0):
                         accounting.record(user, "engine_late_ns", late_ns)
         if added:
             added.clear()

@@ -54,9 +54,10 @@ class UserBook:
         #: user -> when a user found with no budget (headroom 0) may take a token
         #: again; valid until its headroom is next set (sleeper steps).
         self.asleep_until: dict[str, int] = {}
-        #: user -> requests added since the last paced step's start (engine-late
-        #: accounting counts only users that were waiting across the gap).
-        self.added_since_step: dict[str, int] = {}
+        #: request id -> user, of the live requests added since the last paced
+        #: step's start (engine-late accounting counts only users that had a
+        #: request waiting across the whole gap).
+        self.added_since_step: dict[str, str] = {}
 
     def user(self, request_id: str) -> str:
         """The user ``request_id`` is charged to."""
@@ -69,8 +70,7 @@ class UserBook:
         self.user_of[request_id] = user
         live = self.live[user] = self.live.get(user, 0) + 1
         if paced:
-            added = self.added_since_step
-            added[user] = added.get(user, 0) + 1
+            self.added_since_step[request_id] = user
         if self.headroom.get(user, -1) < live:
             self.constrained.add(user)
 
@@ -80,6 +80,8 @@ class UserBook:
         user = self.user_of.pop(request_id, None)
         if user is None:
             return
+        if self.added_since_step:
+            self.added_since_step.pop(request_id, None)
         live = self.live[user] - 1
         if live:
             self.live[user] = live
@@ -90,6 +92,7 @@ class UserBook:
         self.headroom.pop(user, None)
         self.asleep_until.pop(user, None)
         self.constrained.discard(user)
+        self.maybe_without_budget.discard(user)
         if paced:
             self.ended.append(user)
 
