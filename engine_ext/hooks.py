@@ -63,7 +63,7 @@ ASYNC_WORK_WAIT_CAP_S = 0.05
 #: ends the wait at once (requests, aborts, the idle heartbeat's marker,
 #: control-plane changes), and when the limiter next has budget is known, so
 #: this only bounds the stall of a wake that some path fails to send. One empty
-#: step a second is negligible; 20 a second (a 50 ms cap) were most of a parked
+#: step a second is negligible; 20 a second (a 50 ms cap) would be most of a parked
 #: engine's CPU.
 IDLE_WAIT_CAP_S = 1.0
 
