@@ -119,7 +119,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self.output_rate_payloads_built = 0
         self._payload_built_at_ns: int | None = None
         self._users = UserBook()
-        upstream = Upstream(self, super().schedule)
+        upstream = self._upstream = Upstream(self, super().schedule)
         self._request_hooks = RequestHooks(
             upstream,
             self.output_rate_shared,
@@ -201,15 +201,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         request_id = request.request_id
         self._users.remove(request_id, paced=self.limiter.enabled)
-        self._steps.slots.yielded.discard(request_id)
-        episodes = self._steps.episodes
-        if episodes:
-            throttled = episodes.end(request_id, self.clock())
-            if throttled is not None:
-                # Read back by the API process when it builds the request's span.
-                request.trace_headers = with_throttle_headers(
-                    request.trace_headers, *throttled
-                )
+        throttled = self._steps.request_ended(request_id)
+        if throttled is not None:
+            # Read back by the API process when it builds the request's span.
+            request.trace_headers = with_throttle_headers(
+                request.trace_headers, *throttled
+            )
         return super()._free_request(request, delay_free_blocks)
 
     def user_of(self, request: Request) -> str:
@@ -277,7 +274,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def awaits_asynchronous_work(self) -> bool:
         """Whether a waiting request depends on work that completes without any
         input reaching the engine: only a later step notices it is done."""
-        return self._steps.upstream.awaits_asynchronous_work()
+        return self._upstream.awaits_asynchronous_work()
 
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """Lets control-plane changes end the engine's idle wait at once."""

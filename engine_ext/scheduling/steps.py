@@ -93,6 +93,14 @@ class Steps:
         self.hooks_bound = paced
         self._bind_hooks(self.hooks.paced() if paced else self.hooks.unpaced())
 
+    def request_ended(self, request_id: str) -> tuple[int, float] | None:
+        """Forgets a request that ended; returns its steps passed over and
+        seconds throttled if it was ever throttled (request tracing on)."""
+        self.slots.yielded.discard(request_id)
+        if not self.episodes:
+            return None
+        return self.episodes.end(request_id, self.clock())
+
     def schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         book = self.book
         if book.ended:
