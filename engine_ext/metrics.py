@@ -38,6 +38,13 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.metrics_core import Metric
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
+from engine_ext.payload_parser import (
+    Payload,
+    PayloadError,
+    StorePart,
+    parse,
+    take_payload,
+)
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     DEFAULT_LIMIT_USER,
@@ -46,11 +53,6 @@ from engine_ext.stats_payload import (
     RELOAD_RESULTS,
     STORE_RESULTS,
     FailureLog,
-    Payload,
-    PayloadError,
-    StorePart,
-    parse,
-    take_payload,
 )
 from pacing.modes import Mode
 from pacing.store_stats import LATENCY_BUCKETS_NS

@@ -39,7 +39,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request
 
-from engine_ext import stats_payload
+from engine_ext import payload_builder
 from engine_ext.request_tracing import with_throttle_headers
 from engine_ext.scheduling.idle_users import IdleUsers
 from engine_ext.scheduling.request_hooks import RequestHooks
@@ -110,7 +110,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: Builds the metrics payload carried to the API process in the step's
         #: SchedulerStats; None unless our stat logger is there to take it out.
         self.output_rate_stats = (
-            stats_payload.PayloadBuilder(metrics.max_labelled_users)
+            payload_builder.PayloadBuilder(metrics.max_labelled_users)
             if metrics.emit and self.limiter.enabled
             else None
         )
@@ -314,7 +314,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         limiter=self.limiter,
                         store=self.output_rate_shared.store_stats,
                     )
-                stats_payload.attach(stats, payload)
+                payload_builder.attach(stats, payload)
             except Exception:
                 # Raising here would end vLLM's engine-core loop: this step's
                 # metrics are lost instead, pacing goes on.

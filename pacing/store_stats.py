@@ -3,7 +3,7 @@ the metrics (pure: no clock, no I/O, no Prometheus).
 
 The claimer (``store.claimer``) records into a ``StoreStats`` after each round
 trip, under the facade's lock (``SharedLimiter.lock``); the metrics payload
-(``engine_ext.stats_payload``) reads it under the same lock, so a payload sees
+(``engine_ext.payload_builder``) reads it under the same lock, so a payload sees
 the state after whole passes. ``SharedLimiter.store_stats`` holds it when a
 store is configured.
 

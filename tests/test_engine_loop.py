@@ -19,7 +19,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from control.plugin import register as register_control_plane
-from engine_ext import hooks, idle_stats, stats_payload
+from engine_ext import hooks, idle_stats, payload_parser
 from engine_ext.plugin import register
 from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
 from protos.outputrate.v1 import output_rate_pb2 as pb
@@ -241,7 +241,7 @@ def handle_input(engine: IdleEngine) -> None:
     EngineCoreProc._handle_client_request(engine, *engine.input_queue.get_nowait())
 
 
-def sent_payload(engine: IdleEngine) -> stats_payload.Payload:
+def sent_payload(engine: IdleEngine) -> payload_parser.Payload:
     """The one output queued for the API process: stats alone, to client 0,
     with our payload, after vLLM's own wire trip."""
     client, outputs = engine.output_queue.get_nowait()
@@ -250,12 +250,12 @@ def sent_payload(engine: IdleEngine) -> stats_payload.Payload:
     wire = MsgpackEncoder().encode(outputs)
     received = MsgpackDecoder(EngineCoreOutputs).decode(wire)
     assert received.outputs == []
-    raw = stats_payload.take_payload(received.scheduler_stats)
+    raw = payload_parser.take_payload(received.scheduler_stats)
     assert raw is not None
-    return stats_payload.parse(raw)
+    return payload_parser.parse(raw)
 
 
-def deliver(engine: IdleEngine, heartbeat) -> stats_payload.Payload:
+def deliver(engine: IdleEngine, heartbeat) -> payload_parser.Payload:
     assert heartbeat.check() is True
     assert heartbeat.check() is False  # one marker at a time
     handle_input(engine)

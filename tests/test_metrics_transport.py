@@ -26,16 +26,14 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from engine_ext import metrics
+from engine_ext.payload_builder import PayloadBuilder, attach
+from engine_ext.payload_parser import parse, take_payload
 from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
-    PayloadBuilder,
-    attach,
-    parse,
-    take_payload,
 )
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
@@ -460,14 +458,14 @@ def test_make_stats_survives_a_failing_payload_build(
         raise RuntimeError("bug in our payload builder")
 
     monkeypatch.setattr(scheduler.output_rate_stats, "build", broken)
-    with caplog.at_level(logging.ERROR, logger="vllm.engine_ext.stats_payload"):
+    with caplog.at_level(logging.ERROR, logger="vllm.engine_ext.payload_builder"):
         for _ in range(3):
             # Every call builds (no interval), and must not raise into the core.
             stats = scheduler.make_stats_with_payload()
             assert stats is not None  # upstream's stats, sent without a payload
             assert stats.kv_connector_stats is None
             MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
-    logged = [r for r in caplog.records if r.name == "vllm.engine_ext.stats_payload"]
+    logged = [r for r in caplog.records if r.name == "vllm.engine_ext.payload_builder"]
     assert [r.exc_info[0] for r in logged] == [RuntimeError, RuntimeError]  # 1, 2
     monkeypatch.undo()
     assert PAYLOAD_KEY in scheduler.make_stats_with_payload().kv_connector_stats

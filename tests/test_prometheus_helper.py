@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
 from engine_ext.metrics import OutputRateMetrics
-from engine_ext.stats_payload import PayloadBuilder, parse
+from engine_ext.payload_builder import PayloadBuilder
+from engine_ext.payload_parser import parse
 from pacing.accounting import Accounting
 from tests.e2e_prometheus import PrometheusError, PrometheusServer
 from tests.prometheus_tools import require_binary

@@ -19,7 +19,8 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from engine_ext import metrics
-from engine_ext.stats_payload import PayloadBuilder, parse
+from engine_ext.payload_builder import PayloadBuilder
+from engine_ext.payload_parser import parse
 from pacing.accounting import Accounting
 from pacing.claims import ClaimedBalances, Request
 from pacing.limiter import NS_PER_S, OutputRateLimiter

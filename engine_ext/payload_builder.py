@@ -1,0 +1,394 @@
+"""The engine-core side of the metrics payload (``engine_ext.stats_payload``):
+``PayloadBuilder`` turns the scheduler's cumulative counters into one payload per
+engine step, and ``attach`` puts it into vLLM's ``SchedulerStats`` (pure: no
+vLLM at run time, no Prometheus).
+
+Invariant: the payload is plain data that encodes as strict UTF-8 and that
+``engine_ext.payload_parser.parse`` accepts; its counters are deltas since the
+previous build, so the deltas of all payloads add up to the accounting's totals.
+
+Cost: one build is O(labelled users) without tiers; with tiers it also reads the
+counters of every user the accounting holds (those with live requests or recent
+events), once: O(users).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+from engine_ext.stats_payload import (
+    COUNTER_FIELDS,
+    DEFAULT_LIMIT_USER,
+    GRPC_CODES,
+    MAX_LABELLED_TIERS,
+    OTHER_METHOD,
+    OTHER_TIER,
+    OTHER_USER,
+    PAYLOAD_KEY,
+    PAYLOAD_VERSION,
+    RELOAD_RESULTS,
+    FailureLog,
+)
+from pacing.accounting import Accounting, UserCounters
+from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
+from pacing.settings import DEFAULT_MAX_LABELLED_USERS
+from pacing.shared import ControlPlaneSnapshot
+from pacing.store_stats import StoreStats
+
+if TYPE_CHECKING:
+    from vllm.v1.metrics.stats import SchedulerStats
+
+# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
+logger = logging.getLogger(f"vllm.{__name__}")
+
+#: Idle waits kept between two payloads. One payload is built per engine step and
+#: there is at most one idle wait per step, so this bounds memory only when
+#: payloads stop being collected (e.g. stats logging turned off).
+MAX_PENDING_IDLE_WAITS = 1024
+#: Label values with a meaning of their own; a user so named is never labelled.
+_RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
+#: A user's counters as a tuple in ``COUNTER_FIELDS`` order (one C call).
+_counter_values = attrgetter(*COUNTER_FIELDS)
+_ZEROS = (0,) * len(COUNTER_FIELDS)
+
+
+class _Labels:
+    """Names with a label of their own: at most ``cap``, sticky (a name keeps
+    its label while it stays eligible), new ones admitted in name order while
+    room is left. Reserved label values and names that do not encode are never
+    labelled."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self.names: dict[str, None] = {}  # insertion-ordered set
+
+    def update(self, eligible: Collection[str]) -> list[str]:
+        """Labels from ``eligible`` (a set or a mapping's keys); returns the
+        names that lost their label."""
+        lost = [name for name in self.names if name not in eligible]
+        for name in lost:
+            del self.names[name]
+        if len(self.names) < self._cap:
+            candidates = (
+                name
+                for name in eligible
+                if name not in self.names
+                and name not in _RESERVED_LABELS
+                and _encodable(name)
+            )
+            for name in sorted(candidates):
+                if len(self.names) >= self._cap:
+                    break
+                self.names[name] = None
+        return lost
+
+
+class PayloadBuilder:
+    """Turns the scheduler's cumulative counters into per-step payloads.
+
+    Owned by the scheduler (engine-core thread only, like the limiter), except
+    that ``observe_idle_wait`` is called by the engine loop on the same thread.
+    """
+
+    def __init__(
+        self,
+        max_labelled_users: int = DEFAULT_MAX_LABELLED_USERS,
+        max_labelled_tiers: int = MAX_LABELLED_TIERS,
+    ) -> None:
+        self._users = _Labels(max_labelled_users)
+        self._tiers = _Labels(max_labelled_tiers)
+        self._last: dict[str, UserCounters] = {}
+        self._last_total = UserCounters()
+        #: user -> (its counters object, their values) at the previous build,
+        #: for every user the accounting held; None while no tier exists.
+        self._tier_seen: dict[str, tuple[UserCounters, tuple[int, ...]]] | None = None
+        self._last_control = ControlPlaneSnapshot()
+        self._idle_waits: list[float] = []
+        #: The store stats reported last and a copy of their values then.
+        self._store_source: StoreStats | None = None
+        self._last_store = StoreStats()
+        self._built_once = False
+        #: Where the scheduler reports a failed build (the step's stats then go
+        #: to the API process without a payload).
+        self.failures = FailureLog(
+            logger, "output-rate metrics payload not built; stats sent without it"
+        )
+
+    @property
+    def labelled_users(self) -> list[str]:
+        """Users that currently have their own ``user`` label."""
+        return list(self._users.names)
+
+    def observe_idle_wait(self, seconds: float) -> None:
+        """Records one idle wait of the engine loop (time actually blocked)."""
+        if len(self._idle_waits) < MAX_PENDING_IDLE_WAITS:
+            self._idle_waits.append(float(seconds))
+
+    def build(
+        self,
+        *,
+        accounting: Accounting,
+        user_rates: Mapping[str, int],
+        default_rate: int | None,
+        throttled_requests: int,
+        tracked_users: int,
+        control: ControlPlaneSnapshot | None = None,
+        mode: Mode = Mode.ENFORCE,
+        limiter: OutputRateLimiter | None = None,
+        store: StoreStats | None = None,
+    ) -> dict[str, Any]:
+        """The payload for this step: counter deltas since the previous ``build``
+        (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
+        labelled users' limits, the given gauges and ``mode``, with
+        ``limiter`` (whose table says the tiers and their members) the tiers'
+        limits and counter deltas, and with ``store`` (read under the lock its
+        recorder holds) the store's part.
+
+        Assumes ``accounting`` keeps labelled users' counters; if it forgot one
+        and the user came back, the new counts are taken as a fresh start.
+        """
+        for user in self._users.update(user_rates):
+            self._last.pop(user, None)
+        first = not self._built_once
+        self._built_once = True
+
+        users: dict[str, dict[str, int]] = {}
+        labelled_sum = UserCounters()
+        for user in self._users.names:
+            now = accounting.of(user)
+            before = self._last.get(user)
+            if before is None:
+                # Labelled since the first build: everything counts. Labelled
+                # later (new explicit limit): earlier events were already
+                # reported under OTHER_USER.
+                before = UserCounters() if first else now
+            delta = _delta(now, before)
+            self._last[user] = now
+            labelled_sum.add(delta)
+            if row := _nonzero(delta):
+                users[user] = row
+
+        total = _copy(accounting.total)
+        other = _delta(total, self._last_total)
+        self._last_total = total
+        other = UserCounters(
+            **{
+                name: max(0, getattr(other, name) - getattr(labelled_sum, name))
+                for name in COUNTER_FIELDS
+            }
+        )
+        if row := _nonzero(other):
+            users[OTHER_USER] = row
+
+        tiers, tier_counters = self._tier_part(accounting, limiter, first)
+
+        # No snapshot means no control-plane news (not a reset to zero).
+        control = self._last_control if control is None else _normalized(control)
+        previous, self._last_control = self._last_control, control
+        idle_waits, self._idle_waits = self._idle_waits, []
+        return {
+            "v": PAYLOAD_VERSION,
+            "users": users,
+            "limits": {user: int(user_rates[user]) for user in self._users.names},
+            "default_limit": default_rate,
+            "throttled_requests": int(throttled_requests),
+            "tracked_users": int(tracked_users),
+            "idle_waits_s": idle_waits,
+            "limit_changes": max(0, control.limit_changes - previous.limit_changes),
+            "config_reloads": _positive_deltas(
+                control.config_reloads, previous.config_reloads
+            ),
+            "control_rpcs": [
+                [method, code, n]
+                for (method, code), n in _positive_deltas(
+                    control.rpcs, previous.rpcs
+                ).items()
+            ],
+            "mode": mode.value,
+            "tiers": tiers,
+            "tier_counters": tier_counters,
+            "store": None if store is None else self._store_part(store),
+        }
+
+    def _store_part(self, store: StoreStats) -> dict[str, Any]:
+        """The store's deltas since the previous build (from zero for a stats
+        object not reported before) and its gauges."""
+        if store is not self._store_source:
+            self._store_source, self._last_store = store, StoreStats()
+        now, before = _copy_store(store), self._last_store
+        self._last_store = now
+        return {
+            "round_trips": {
+                "ok": now.round_trips_answered - before.round_trips_answered,
+                "error": now.round_trips_failed - before.round_trips_failed,
+            },
+            "latency_ns": [
+                [count - count_before, total - total_before]
+                for count, count_before, total, total_before in zip(
+                    now.latency_counts,
+                    before.latency_counts,
+                    now.latency_sums_ns,
+                    before.latency_sums_ns,
+                    strict=True,
+                )
+            ],
+            "tokens": {
+                "claimed": now.tokens_claimed - before.tokens_claimed,
+                "granted": now.tokens_granted - before.tokens_granted,
+                "returned": now.tokens_returned - before.tokens_returned,
+            },
+            "degraded": int(now.degraded),
+            "live_engines": int(now.live_engines),
+        }
+
+    def _tier_part(
+        self, accounting: Accounting, limiter: OutputRateLimiter | None, first: bool
+    ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        """The labelled tiers' limits (0: exempt) and every tier label's counter
+        deltas: each user's events since the previous build go to the tier it
+        is a member of now."""
+        rates = {} if limiter is None else limiter.tier_rates
+        exempt = frozenset() if limiter is None else limiter.exempt_tiers
+        self._tiers.update(rates.keys() | exempt)
+        tiers = {
+            tier: 0 if tier in exempt else rates[tier] for tier in self._tiers.names
+        }
+        if limiter is None or not (rates or exempt):
+            self._tier_seen = None  # no tier: nothing to count, nothing to keep
+            return tiers, {}
+        # While tiers were absent nobody was tracked: the events before this
+        # build are nobody's tier events (except at the first build, which
+        # reports everything since start-up).
+        count_new = first or self._tier_seen is not None
+        previous = self._tier_seen or {}
+        memberships = limiter.memberships
+        labelled = self._tiers.names
+        seen: dict[str, tuple[UserCounters, tuple[int, ...]]] = {}
+        # label -> the counter values of its members now, and at the last build
+        nows: dict[str, list[tuple[int, ...]]] = {}
+        thens: dict[str, list[tuple[int, ...]]] = {}
+        for user, counters in accounting.by_user().items():
+            values: tuple[int, ...] = _counter_values(counters)
+            seen[user] = (counters, values)
+            before = previous.get(user)
+            if before is None:
+                if not count_new:
+                    continue
+                base = _ZEROS  # its counters began after the previous build
+            elif before[0] is not counters:
+                base = _ZEROS  # forgotten, then counted again from zero
+            else:
+                base = before[1]
+                if values == base:
+                    continue
+            tier = memberships.get(user)
+            if tier is None:
+                continue
+            label = tier if tier in labelled else OTHER_TIER
+            nows.setdefault(label, []).append(values)
+            thens.setdefault(label, []).append(base)
+        self._tier_seen = seen
+        counters_by_tier: dict[str, dict[str, int]] = {}
+        for label, values_now in nows.items():
+            # Column sums in C rather than a Python loop per user and field.
+            columns_now = zip(*values_now, strict=True)
+            columns_then = zip(*thens[label], strict=True)
+            row = {
+                name: sum(now) - sum(then)
+                for name, now, then in zip(
+                    COUNTER_FIELDS, columns_now, columns_then, strict=True
+                )
+            }
+            if row := {name: delta for name, delta in row.items() if delta}:
+                counters_by_tier[label] = row
+        return tiers, counters_by_tier
+
+
+def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:
+    """Puts ``payload`` into ``scheduler_stats`` (a vLLM ``SchedulerStats``) for
+    the trip to the API process, keeping anything a KV connector put there."""
+    carried = dict(scheduler_stats.kv_connector_stats or {})
+    carried[PAYLOAD_KEY] = payload
+    scheduler_stats.kv_connector_stats = carried
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def _copy(counters: UserCounters) -> UserCounters:
+    copy = UserCounters()
+    copy.add(counters)
+    return copy
+
+
+def _copy_store(stats: StoreStats) -> StoreStats:
+    copy = replace(stats)
+    copy.latency_counts = list(stats.latency_counts)
+    copy.latency_sums_ns = list(stats.latency_sums_ns)
+    return copy
+
+
+def _delta(now: UserCounters, before: UserCounters) -> UserCounters:
+    """``now - before`` per counter; a counter that went down restarted from zero
+    (its owner forgot it), so its whole current value is new."""
+    delta = UserCounters()
+    for name in COUNTER_FIELDS:
+        current, previous = getattr(now, name), getattr(before, name)
+        setattr(delta, name, current - previous if current >= previous else current)
+    return delta
+
+
+def _nonzero(counters: UserCounters) -> dict[str, int]:
+    return {
+        name: value
+        for name in COUNTER_FIELDS
+        if (value := getattr(counters, name)) != 0
+    }
+
+
+def _normalized(snapshot: ControlPlaneSnapshot) -> ControlPlaneSnapshot:
+    """``snapshot`` with label values ``parse`` accepts: unknown status codes
+    become ``UNKNOWN``, method names that do not encode ``OTHER_METHOD``, unknown
+    reload results are left out (one bad value must not get every later payload
+    rejected, nor fail to encode)."""
+    rpcs: dict[tuple[str, str], int] = {}
+    for (method, code), count in snapshot.rpcs.items():
+        key = (
+            method if _encodable(method) else OTHER_METHOD,
+            code if code in GRPC_CODES else "UNKNOWN",
+        )
+        rpcs[key] = rpcs.get(key, 0) + count
+    return ControlPlaneSnapshot(
+        limit_changes=snapshot.limit_changes,
+        config_reloads={
+            result: count
+            for result, count in snapshot.config_reloads.items()
+            if result in RELOAD_RESULTS
+        },
+        rpcs=rpcs,
+    )
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` encodes as strict UTF-8 (no lone surrogates), as vLLM's
+    msgpack encoder requires."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _positive_deltas(
+    now: Mapping[Any, int], before: Mapping[Any, int]
+) -> dict[Any, int]:
+    return {
+        key: value - before.get(key, 0)
+        for key, value in now.items()
+        if value > before.get(key, 0)
+    }

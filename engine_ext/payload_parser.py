@@ -1,0 +1,253 @@
+"""The API-process side of the metrics payload (``engine_ext.stats_payload``):
+``take_payload`` removes it from vLLM's ``SchedulerStats`` and ``parse``
+validates it into a ``Payload`` (pure: no vLLM at run time, no Prometheus).
+
+Invariant: ``parse`` accepts every payload ``engine_ext.payload_builder`` builds
+(after a msgpack round trip) and raises ``PayloadError``, naming the first
+offending field, on a malformed one. A counter row's label is one the same
+payload declares (a labelled user or tier) or the catch-all (``OTHER_USER``,
+``OTHER_TIER``), and its counter names are ``COUNTER_FIELDS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine_ext.stats_payload import (
+    COUNTER_FIELDS,
+    GRPC_CODES,
+    OTHER_TIER,
+    OTHER_USER,
+    PAYLOAD_KEY,
+    PAYLOAD_VERSION,
+    RELOAD_RESULTS,
+    STORE_RESULTS,
+    STORE_TOKENS,
+)
+from pacing.modes import Mode, parse_mode
+from pacing.store_stats import LATENCY_BUCKETS_NS
+
+if TYPE_CHECKING:
+    from vllm.v1.metrics.stats import SchedulerStats
+
+
+class PayloadError(ValueError):
+    """A payload is malformed; the message names the field."""
+
+
+# -- the payload --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One parsed payload: deltas since the previous one, and current gauges."""
+
+    #: label -> {counter field -> delta}; only non-zero deltas.
+    users: Mapping[str, Mapping[str, int]]
+    #: label -> tokens/s of every labelled user (the complete labelled set).
+    limits: Mapping[str, int]
+    default_limit: int | None
+    throttled_requests: int
+    tracked_users: int
+    idle_waits_s: tuple[float, ...]
+    limit_changes: int
+    config_reloads: Mapping[str, int]
+    control_rpcs: Mapping[tuple[str, str], int]
+    mode: Mode
+    #: label -> tokens/s of each member of every labelled tier (the complete
+    #: labelled set); 0 for an exempt tier (unlimited).
+    tiers: Mapping[str, int]
+    #: tier label -> {counter field -> delta}; only non-zero deltas.
+    tier_counters: Mapping[str, Mapping[str, int]]
+    #: The store's part; ``None`` without a store.
+    store: StorePart | None
+
+
+@dataclass(frozen=True)
+class StorePart:
+    """A payload's store traffic: deltas since the previous payload, and
+    current gauges (``pacing.store_stats``)."""
+
+    #: result (``STORE_RESULTS``) -> round trips
+    round_trips: Mapping[str, int]
+    #: per bucket of ``LATENCY_BUCKETS_NS`` (then one past the last bound):
+    #: (round trips, their total latency in ns)
+    latency_ns: tuple[tuple[int, int], ...]
+    #: ``STORE_TOKENS`` name -> tokens
+    tokens: Mapping[str, int]
+    degraded: bool
+    live_engines: int
+
+
+def take_payload(scheduler_stats: SchedulerStats | None) -> object | None:
+    """Removes and returns the raw payload from ``scheduler_stats`` (``None`` if it
+    carries none), leaving ``kv_connector_stats`` as it was before ``attach``."""
+    if scheduler_stats is None:
+        return None
+    carried = scheduler_stats.kv_connector_stats
+    if not carried or PAYLOAD_KEY not in carried:
+        return None
+    raw: object = carried.pop(PAYLOAD_KEY)
+    if not carried:
+        scheduler_stats.kv_connector_stats = None
+    return raw
+
+
+def parse(raw: object) -> Payload:
+    """Validates a payload as built by ``PayloadBuilder.build`` (after a msgpack
+    round trip: tuples arrive as lists); raises ``PayloadError`` naming the first
+    offending field."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError(f"payload must be an object, got {type(raw).__name__}")
+    if raw.get("v") != PAYLOAD_VERSION:
+        raise PayloadError(
+            f"payload version {raw.get('v')!r} is not {PAYLOAD_VERSION}: engine core "
+            "and API process run different engine_ext versions"
+        )
+    limits = _str_int_map(raw.get("limits"), "limits")
+    labels = set(limits) | {OTHER_USER}
+    users = _counter_rows(raw.get("users"), "users", labels, OTHER_USER)
+    default_limit = raw.get("default_limit")
+    if default_limit is not None:
+        default_limit = _int(default_limit, "default_limit")
+    idle = raw.get("idle_waits_s")
+    if not isinstance(idle, list | tuple) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in idle
+    ):
+        raise PayloadError("idle_waits_s must be a list of non-negative numbers")
+    reloads = _str_int_map(raw.get("config_reloads"), "config_reloads")
+    if not set(reloads) <= set(RELOAD_RESULTS):
+        raise PayloadError(f"config_reloads keys must be among {RELOAD_RESULTS}")
+    rpcs: dict[tuple[str, str], int] = {}
+    rpcs_raw = raw.get("control_rpcs")
+    if not isinstance(rpcs_raw, list | tuple):
+        raise PayloadError("control_rpcs must be a list")
+    for entry in rpcs_raw:
+        if not (
+            isinstance(entry, list | tuple)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[1] in GRPC_CODES
+        ):
+            raise PayloadError(f"control_rpcs entry {entry!r} is not [method, code, n]")
+        rpcs[(entry[0], entry[1])] = _int(entry[2], "control_rpcs count")
+    try:
+        mode = parse_mode(raw.get("mode"), field="mode")
+    except ValueError as exc:
+        raise PayloadError(str(exc)) from None
+    tiers = _str_int_map(raw.get("tiers"), "tiers")
+    tier_counters = _counter_rows(
+        raw.get("tier_counters"), "tier_counters", set(tiers) | {OTHER_TIER}, OTHER_TIER
+    )
+    if "store" not in raw:
+        raise PayloadError("store must be an object or null")
+    store_raw = raw["store"]
+    store = None if store_raw is None else _parse_store(store_raw)
+    return Payload(
+        users=users,
+        limits=limits,
+        default_limit=default_limit,
+        throttled_requests=_int(raw.get("throttled_requests"), "throttled_requests"),
+        tracked_users=_int(raw.get("tracked_users"), "tracked_users"),
+        idle_waits_s=tuple(float(x) for x in idle),
+        limit_changes=_int(raw.get("limit_changes"), "limit_changes"),
+        config_reloads=reloads,
+        control_rpcs=rpcs,
+        mode=mode,
+        tiers=tiers,
+        tier_counters=tier_counters,
+        store=store,
+    )
+
+
+def _parse_store(raw: object) -> StorePart:
+    """Validates the store's part of a payload (``PayloadBuilder._store_part``)."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError("store must be an object or null")
+    round_trips = _str_int_map(raw.get("round_trips"), "store.round_trips")
+    if set(round_trips) != set(STORE_RESULTS):
+        raise PayloadError(f"store.round_trips keys must be {STORE_RESULTS}")
+    tokens = _str_int_map(raw.get("tokens"), "store.tokens")
+    if set(tokens) != set(STORE_TOKENS):
+        raise PayloadError(f"store.tokens keys must be {STORE_TOKENS}")
+    latency = raw.get("latency_ns")
+    if (
+        not isinstance(latency, list | tuple)
+        or len(latency) != len(LATENCY_BUCKETS_NS) + 1
+    ):
+        raise PayloadError(
+            f"store.latency_ns must be a list of {len(LATENCY_BUCKETS_NS) + 1} "
+            "[count, total ns] pairs"
+        )
+    buckets: list[tuple[int, int]] = []
+    lower = -1  # latencies are >= 0: the first bucket holds 0
+    for index, entry in enumerate(latency):
+        name = f"store.latency_ns[{index}]"
+        if not isinstance(entry, list | tuple) or len(entry) != 2:
+            raise PayloadError(f"{name} must be a [count, total ns] pair")
+        count, total = _int(entry[0], name), _int(entry[1], name)
+        upper = LATENCY_BUCKETS_NS[index] if index < len(LATENCY_BUCKETS_NS) else None
+        # Replayed as count observations of their mean, which must be in it.
+        if count == 0:
+            inside = total == 0
+        else:
+            inside = total > lower * count and (upper is None or total <= upper * count)
+        if not inside:
+            raise PayloadError(f"{name}: {total} ns over {count} is not in its bucket")
+        buckets.append((count, total))
+        if upper is not None:
+            lower = upper
+    degraded = raw.get("degraded")
+    if degraded not in (0, 1) or isinstance(degraded, bool):
+        raise PayloadError(f"store.degraded must be 0 or 1, got {degraded!r}")
+    return StorePart(
+        round_trips=round_trips,
+        latency_ns=tuple(buckets),
+        tokens=tokens,
+        degraded=bool(degraded),
+        live_engines=_int(raw.get("live_engines"), "store.live_engines"),
+    )
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def _int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PayloadError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _counter_rows(
+    value: object, name: str, labels: set[str], other: str
+) -> dict[str, dict[str, int]]:
+    """``value`` as label -> {counter field -> delta}, every label in ``labels``."""
+    if not isinstance(value, Mapping):
+        raise PayloadError(f"{name} must be an object")
+    rows: dict[str, dict[str, int]] = {}
+    for label, row in value.items():
+        if label not in labels:
+            raise PayloadError(
+                f"{name} has label {label!r} that is neither labelled nor {other}"
+            )
+        counters = _str_int_map(row, f"{name}[{label!r}]")
+        unknown = set(counters) - set(COUNTER_FIELDS)
+        if unknown:
+            raise PayloadError(
+                f"{name}[{label!r}] has unknown counters {sorted(unknown)}"
+            )
+        rows[label] = counters
+    return rows
+
+
+def _str_int_map(value: object, name: str) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise PayloadError(f"{name} must be an object")
+    result: dict[str, int] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise PayloadError(f"{name} has a non-string key {key!r}")
+        result[key] = _int(item, f"{name}[{key!r}]")
+    return result
