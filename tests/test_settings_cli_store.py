@@ -10,10 +10,7 @@ import json
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from engine_ext.plugin import register
 from pacing import settings_cli
 from pacing.settings import (
     DEFAULT_MAX_LABELLED_USERS,
@@ -32,23 +29,13 @@ from pacing.store_settings import (
     FailureMode,
     StoreSettings,
 )
+from tests import serve_parser_harness
 
-register()
-
-
-@pytest.fixture(scope="module")
-def serve_parser() -> FlexibleArgumentParser:
-    """vLLM's own serve parser, with our plugin's flags."""
-    return make_arg_parser(FlexibleArgumentParser())
-
-
-@pytest.fixture(autouse=True)
-def _default_control_port_taken_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parsing the flags runs the start-up checks, which bind the control
-    plane's address: with the default one (127.0.0.1:50151) these tests would
-    fail whenever a server on the same machine holds it. What they test is
-    parsing; the port check has its own test (test_startup_checks)."""
-    monkeypatch.setattr("control.preflight.check_port_free", lambda address: None)
+# The serve parser's fixtures (tests/serve_parser_harness.py), registered here.
+serve_parser = serve_parser_harness.serve_parser
+default_control_port_taken_or_not = (
+    serve_parser_harness.default_control_port_taken_or_not
+)
 
 
 STORE_URL = "redis://127.0.0.1:6379/0"
