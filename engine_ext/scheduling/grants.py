@@ -6,6 +6,10 @@ handed out one token per sampling request in service order, and a request is
 charged at most once per step. Whatever is left, or was handed to a request that
 was not dispatched, is given back when the step settles
 (``engine_ext.scheduling.settlement``): the single refund point.
+
+Invariant: the budget source is asked at most once per user and step, and for
+every user ``granted = left + tokens charged``, so nothing is handed out twice
+or lost before settlement.
 """
 
 from __future__ import annotations

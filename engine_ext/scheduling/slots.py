@@ -19,6 +19,9 @@ caching makes that cheap):
 
 A yielded request re-enters the waiting queue at its front, so it is the next to
 start once a slot is spare or its user has budget again: no user is starved.
+
+Invariant: only parked requests yield, never to a request of a higher priority
+value (a lower priority), and a request in ``yielded`` is never a victim.
 """
 
 from __future__ import annotations

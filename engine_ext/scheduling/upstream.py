@@ -6,6 +6,10 @@ of ``Request`` they read are listed in ``REQUEST_FIELDS``. The concern modules o
 ``engine_ext.scheduling`` import nothing from vLLM (an import-linter contract),
 so a new vLLM version means checking this module and the thin class
 (``engine_ext.scheduler``), which overrides upstream's methods.
+
+Invariant: ``Upstream`` reads through to the scheduler for everything upstream
+changes during its life (``running`` is replaced by ``update_from_output``) and
+keeps only settings fixed at construction.
 """
 
 from __future__ import annotations
