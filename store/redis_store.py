@@ -353,8 +353,11 @@ class LimitsSubscription:
     """New versions of the limits table, as published by ``write_limits``."""
 
     def __init__(self, client: redis.Redis, channel: str) -> None:
-        # redis-py leaves pubsub() unannotated.
-        self._pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        # redis-py annotates pubsub() from 8.2 on and leaves it unannotated
+        # before: the ignore is needed with one and unused with the other.
+        self._pubsub = client.pubsub(  # type: ignore[no-untyped-call, unused-ignore]
+            ignore_subscribe_messages=True
+        )
         self._pubsub.subscribe(channel)
 
     def next_version(self, timeout_s: float) -> int | None:
