@@ -11,6 +11,9 @@ One mixin, applied to both ``Scheduler`` and ``AsyncScheduler``. It overrides
   instance attributes pointed at ``RequestHooks`` in paced steps and back at
   upstream's own methods otherwise, so that pacing off and free steps pay
   nothing per request.
+- ``_try_schedule_encoder_inputs()`` (multimodal requests only):
+  ``RequestHooks.encoder_window`` first, so that a refused request's encoder
+  inputs are scheduled for the prefill it still computes.
 - ``_preempt_request()``: ``RequestHooks.preempting`` first (the PRIORITY bias
   undone, a preempted parked request counted), then upstream.
 - ``add_request()`` / ``_free_request()``: the user is resolved once per request
@@ -18,9 +21,11 @@ One mixin, applied to both ``Scheduler`` and ``AsyncScheduler``. It overrides
   trace headers.
 - ``make_stats()``: the metrics payload, at most every ``PAYLOAD_INTERVAL_NS``.
 
-``update_from_output()`` is deliberately not overridden: charges are settled at
-dispatch, never against model results, which is what keeps async scheduling
-possible (a request that stops at step N was already charged for N+1).
+- ``update_from_output()``: with speculative decoding, the draft tokens a step
+  was charged for and did not emit are given back once its output is applied
+  (``engine_ext.scheduling.drafts``). Every other charge is settled at dispatch,
+  never against model results, which is what keeps async scheduling possible
+  (a request that stops at step N was already charged for N+1).
 
 With the feature off (no default rate) every override defers to upstream
 unchanged and no per-request hook is bound.
@@ -36,7 +41,9 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from engine_ext import payload_builder
@@ -118,8 +125,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: heartbeat (``engine_ext.idle_stats``) compares it between checks.
         self.output_rate_payloads_built = 0
         self._payload_built_at_ns: int | None = None
-        self._users = UserBook()
         upstream = self._upstream = Upstream(self, super().schedule)
+        self._users = UserBook(step_tokens=1 + upstream.draft_tokens)
         self._request_hooks = RequestHooks(
             upstream,
             self.output_rate_shared,
@@ -240,6 +247,38 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         with self.output_rate_shared.lock:
             output = self._steps.schedule(throttle_prefills)
         return output
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+    ) -> dict[int, EngineCoreOutputs]:
+        drafts = self._steps.drafts
+        charges = drafts.take(scheduler_output) if drafts else None
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if charges is not None:
+            with self.output_rate_shared.lock:
+                charges.settle(self.budget, self.accounting, self._users, self.clock())
+        return outputs
+
+    def _try_schedule_encoder_inputs(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        encoder_compute_budget: int,
+        shift_computed_tokens: int = 0,
+    ) -> tuple[list[int], int, int, list[int], list[int]]:
+        num_new_tokens = self._request_hooks.encoder_window(
+            request, num_computed_tokens, num_new_tokens
+        )
+        return super()._try_schedule_encoder_inputs(
+            request,
+            num_computed_tokens,
+            num_new_tokens,
+            encoder_compute_budget,
+            shift_computed_tokens,
+        )
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self._request_hooks.preempting(request)

@@ -18,11 +18,6 @@ def check_supported(vllm_config: Any) -> None:
     paced = OutputRateSettings.from_additional_config(vllm_config.additional_config)
     refusals = [
         (
-            vllm_config.speculative_config is not None,
-            "--speculative-config: a speculative step may emit several tokens "
-            "but is charged one",
-        ),
-        (
             parallel.data_parallel_size > 1 and paced.store is None,
             "--data-parallel-size > 1 without a store: each rank would hold its "
             "own limiter and multiply every user's budget; with "
@@ -33,7 +28,6 @@ def check_supported(vllm_config: Any) -> None:
             parallel.pipeline_parallel_size > 1,
             "--pipeline-parallel-size > 1: several batches in flight are not supported",
         ),
-        (model.is_multimodal_model, "multimodal models are not supported"),
         (model.is_encoder_decoder, "encoder-decoder models are not supported"),
         (model.is_hybrid, "hybrid (attention + state-space) models are not supported"),
         (model.is_attention_free, "attention-free models are not supported"),

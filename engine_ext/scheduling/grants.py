@@ -1,11 +1,16 @@
 """One paced step's grants: who was given, charged and refused which tokens.
 
 Each user with demand is asked once per step for a *grant*: up to as many
-tokens as it has live requests (``BudgetSource.take_up_to``). The grant is
-handed out one token per sampling request in service order, and a request is
-charged at most once per step. Whatever is left, or was handed to a request that
-was not dispatched, is given back when the step settles
-(``engine_ext.scheduling.settlement``): the single refund point.
+tokens as its live requests may take (``BudgetSource.take_up_to``; one each, or
+1 + the draft tokens of a speculative step). The grant is handed out one token
+per sampling request in service order, and a request is charged at most once
+per step. With speculative decoding a charged request may then take more of the
+grant for the draft tokens it verifies, as long as one token is kept for each of
+the user's requests not served yet (``charge_drafts``); the drafts it is not
+given are not scheduled. Whatever is left, or was handed to a request that was
+not dispatched, is given back when the step settles
+(``engine_ext.scheduling.settlement``); drafts the model rejects are given back
+once the step's output is known (``engine_ext.scheduling.drafts``).
 
 Invariant: the budget source is asked at most once per user and step, and for
 every user ``granted = left + tokens charged``, so nothing is handed out twice
@@ -34,6 +39,7 @@ class PacedStep:
         "budget",
         "capped",
         "charged",
+        "drafts",
         "episodes",
         "granted",
         "left",
@@ -44,6 +50,7 @@ class PacedStep:
         "remaining",
         "running_granted",
         "running_throttled",
+        "served",
         "shadow",
         "shadow_skips",
         "skips",
@@ -72,6 +79,11 @@ class PacedStep:
         #: user -> tokens it had beyond its grant (0: the grant took them all).
         self.remaining: dict[str, int] = {}
         self.charged: dict[str, str] = {}  #: request id -> user, in service order
+        #: request id -> draft tokens charged beyond its one token.
+        self.drafts: dict[str, int] = {}
+        #: user -> its requests charged so far (kept only when drafts may be
+        #: charged: ``book.step_tokens > 1``).
+        self.served: dict[str, int] | None = {} if book.step_tokens > 1 else None
         self.refused: set[str] = set()  #: users refused a token in this step
         self.skips: dict[str, int] = {}  #: user -> requests passed over
         #: Whether the active cap is below the slot count (only then does the
@@ -98,8 +110,9 @@ class PacedStep:
         grant on first use (one budget call per user and step)."""
         left = self.left.get(user)
         if left is None:
+            book = self.book
             left, remaining = self.budget.take_up_to(
-                user, self.book.live.get(user, 1), self.now_ns
+                user, book.live.get(user, 1) * book.step_tokens, self.now_ns
             )
             self.left[user] = self.granted[user] = left
             self.remaining[user] = remaining
@@ -123,6 +136,8 @@ class PacedStep:
         if left:
             self.left[user] = left - 1
             self.charged[request_id] = user
+            if self.served is not None:
+                self.served[user] = self.served.get(user, 0) + 1
             return True
         if self.shadow:
             self.shadow_skips[user] = self.shadow_skips.get(user, 0) + 1
@@ -130,6 +145,22 @@ class PacedStep:
         self.refused.add(user)
         self.passed_over(request, user)
         return False
+
+    def charge_drafts(self, request: Request, drafts: int) -> int:
+        """Hands a request charged in this step up to ``drafts`` more tokens of
+        its user's grant, for the draft tokens its step verifies (each may
+        become an output token), keeping one token for each of the user's live
+        requests not charged yet; returns how many (0 when it was not charged)."""
+        request_id = request.request_id
+        user = self.charged.get(request_id)
+        if user is None or self.served is None:
+            return 0
+        unserved = self.book.live.get(user, 0) - self.served[user]
+        given = max(0, min(drafts, self.left[user] - unserved))
+        if given:
+            self.left[user] -= given
+            self.drafts[request_id] = self.drafts.get(request_id, 0) + given
+        return given
 
     def passed_over(self, request: Request, user: str) -> None:
         """Counts a request passed over for lack of budget in this step."""

@@ -5,7 +5,9 @@
   the token budget is applied and before KV allocation): a step that will
   *sample* takes 1 token of its user's grant; a refused request gets 0 tokens
   (the running loop ``continue``s) or, with chunked prefill, a prefill up to its
-  second-to-last position.
+  second-to-last position. With speculative decoding, a running request's step
+  is cut to the draft tokens its user's grant covers (upstream then schedules
+  only that many of its drafts).
 - ``handle_blocked_waiting_request`` (the waiting loop's own "skip this one for
   now" check): a waiting request of a user with no budget is skipped here,
   because returning 0 from ``reserve_prefill_lookahead`` would ``break`` the
@@ -27,7 +29,12 @@ from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.grants import PacedStep
 from engine_ext.scheduling.ordering import unbias
-from engine_ext.scheduling.upstream import RUNNING, Upstream, next_step_samples
+from engine_ext.scheduling.upstream import (
+    RUNNING,
+    Upstream,
+    next_step_samples,
+    refused_prefill_end,
+)
 from pacing.shared import SharedLimiter
 
 if TYPE_CHECKING:
@@ -90,7 +97,9 @@ class RequestHooks:
         if num_computed_tokens + num_new_tokens < request.num_tokens:
             return num_new_tokens  # samples nothing: nothing to charge
         if step.charge(request):
-            return num_new_tokens
+            if step.served is None:  # no speculative decoding
+                return num_new_tokens
+            return _with_drafts(step, request, num_computed_tokens, num_new_tokens)
         return self._refused_tokens(request, num_computed_tokens, num_new_tokens)
 
     def _reserve_under_active_cap(
@@ -110,6 +119,8 @@ class RequestHooks:
         samples = num_computed_tokens + num_new_tokens >= request.num_tokens
         if not samples or step.charge(request):
             step.running_granted += in_running_loop
+            if samples and step.served is not None:
+                return _with_drafts(step, request, num_computed_tokens, num_new_tokens)
             return num_new_tokens
         allowed = self._refused_tokens(request, num_computed_tokens, num_new_tokens)
         if in_running_loop:
@@ -126,10 +137,49 @@ class RequestHooks:
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
         """Tokens a refused request may still compute: with chunked prefill, a
-        prefill up to its second-to-last position; otherwise none."""
-        if not self.upstream.chunked_prefill:
+        prefill up to its second-to-last position, cut as upstream cuts chunks
+        of a hybrid model (ending on a Mamba block boundary); otherwise none."""
+        upstream = self.upstream
+        if not upstream.chunked_prefill:
             return 0
-        return max(0, min(num_new_tokens, request.num_tokens - 1 - num_computed_tokens))
+        allowed = max(
+            0,
+            min(
+                num_new_tokens,
+                refused_prefill_end(request, num_computed_tokens) - num_computed_tokens,
+            ),
+        )
+        if allowed and upstream.mamba_aligned:
+            return upstream.mamba_aligned_split(request, num_computed_tokens, allowed)
+        return allowed
+
+    def encoder_window(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """The tokens upstream schedules a multimodal request's encoder inputs
+        for (called just before it does): a step that would sample but will be
+        refused is cut here to its refused prefill, so that no encoder budget,
+        compute or cache goes to items the step leaves out. The refusal is
+        counted here; ``reserve_prefill_lookahead`` then sees a step that
+        samples nothing. A step refused outright (0 tokens) is left whole:
+        upstream drops its encoder inputs with it."""
+        step = self.step
+        if (
+            step is None
+            or step.shadow
+            or num_computed_tokens + num_new_tokens < request.num_tokens
+            or (
+                step.capped
+                and request.status == RUNNING
+                and step.running_granted >= self.upstream.max_active
+            )
+            or step.tokens_left(step.book.user(request.request_id))
+        ):
+            return num_new_tokens
+        allowed = self._refused_tokens(request, num_computed_tokens, num_new_tokens)
+        if allowed and not step.charge(request):
+            return allowed
+        return num_new_tokens
 
     def handle_blocked_waiting_request(self, request: Request) -> bool:
         """A waiting request of a user without budget is skipped here (False),
@@ -170,7 +220,9 @@ class RequestHooks:
         ``reserve_prefill_lookahead`` would end the whole waiting loop.
         """
         upstream = self.upstream
-        if not upstream.chunked_prefill:
+        if not upstream.chunked_prefill or upstream.mamba_aligned:
+            # Hybrid (Mamba ``align``): a prefix-cache hit up to the last block
+            # boundary leaves no aligned chunk that stops short.
             return False
         if request.num_tokens - request.num_computed_tokens <= 1:
             return False
@@ -197,3 +249,26 @@ class RequestHooks:
             and not step.has_budget(user)
         ):
             self.shared.accounting.record(user, "throttled_preemptions")
+
+
+def _with_drafts(
+    step: PacedStep, request: Request, num_computed_tokens: int, num_new_tokens: int
+) -> int:
+    """A charged request's tokens for the step, its draft tokens cut to what its
+    user's grant covers (shadow mode charges what it can and cuts nothing).
+
+    Drafts are counted as upstream counts the spec tokens it schedules. Only the
+    running loop schedules real drafts: a waiting request's extra rows are
+    padding, which never becomes output."""
+    drafts = (
+        num_computed_tokens
+        + num_new_tokens
+        - request.num_tokens
+        - request.num_output_placeholders
+    )
+    if drafts <= 0 or request.status != RUNNING:
+        return num_new_tokens
+    given = step.charge_drafts(request, drafts)
+    if step.shadow:
+        return num_new_tokens
+    return num_new_tokens - drafts + given

@@ -5,9 +5,12 @@
   preempted) gets its token back, with the part of each user's grant that was
   not handed out.
 - A free step is charged after the fact in ``charge_free_step``: the dispatched
-  sampling steps (upstream marks them ``is_prefill_chunk = False``), one budget
-  batch for all users. Preempted requests were never charged, so it never
-  refunds.
+  sampling steps (upstream marks them ``is_prefill_chunk = False``) and their
+  draft tokens, one budget batch for all users. Preempted requests were never
+  charged, so it never refunds.
+
+Rejected draft tokens are given back later, once the step's output is known
+(``engine_ext.scheduling.drafts``).
 
 Invariant: after either, each user's recorded headroom is what its budget
 source said it had left, so the next step's kind is chosen on known facts.
@@ -25,6 +28,9 @@ from engine_ext.scheduling.users import UserBook
 from pacing.accounting import Accounting
 from pacing.budget import BudgetSource
 
+#: No speculative drafts: ``charge_free_step``'s default.
+_NO_DRAFTS: Mapping[str, list[int]] = {}
+
 
 def settle_paced(
     step: PacedStep,
@@ -41,11 +47,12 @@ def settle_paced(
     book = step.book
     last_served = book.last_served
     refunds: dict[str, int] = {}
+    drafts = step.drafts
     for request_id, user in step.charged.items():
         if request_id in dispatched:
             last_served[user] = request_id
         else:  # KV allocation failed, or preempted after being charged
-            refunds[user] = refunds.get(user, 0) + 1
+            refunds[user] = refunds.get(user, 0) + 1 + drafts.get(request_id, 0)
     charged: dict[str, int] = {}
     for user, left in step.left.items():
         if left != step.granted[user]:
@@ -86,9 +93,12 @@ def charge_free_step(
     requests: Mapping[str, Request],
     dispatched: Mapping[str, int],
     set_aside: Mapping[str, int],
+    scheduled_drafts: Mapping[str, list[int]] = _NO_DRAFTS,
 ) -> None:
-    """Charges a free step's dispatched sampling steps. ``set_aside``: users
-    whose live requests (that many each) were out of ``running`` for the step."""
+    """Charges a free step's dispatched sampling steps, each 1 + its draft rows
+    (``scheduled_drafts``: upstream's spec tokens scheduled per request).
+    ``set_aside``: users whose live requests (that many each) were out of
+    ``running`` for the step."""
     counts: Mapping[str, int]
     # Dispatched and running requests are live, so when there are as many of
     # each as live ones shown, ``running`` is exactly the dispatched requests.
@@ -120,11 +130,18 @@ def charge_free_step(
         users = list(map(book.user_of.__getitem__, sampled))
         counts = Counter(users)
         book.last_served.update(zip(users, sampled, strict=True))
+    if scheduled_drafts:
+        with_drafts = Counter(counts)
+        user_of = book.user_of
+        for request_id, rows in scheduled_drafts.items():
+            with_drafts[user_of[request_id]] += len(rows)
+        counts = with_drafts
     if counts:
         headroom = book.headroom
         live = book.live
+        step_tokens = book.step_tokens
         for user, remaining in budget.take_each(counts, now_ns).items():
-            if remaining >= live.get(user, 0) > 0:
+            if remaining >= live.get(user, 0) * step_tokens > 0:
                 headroom[user] = remaining  # still unconstrained: the common case
             else:
                 book.set_headroom(user, remaining)

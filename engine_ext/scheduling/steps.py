@@ -24,6 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from engine_ext.scheduling import ordering, settlement
+from engine_ext.scheduling.drafts import (
+    DraftRefunds,
+    free_step_charges,
+    paced_step_charges,
+)
 from engine_ext.scheduling.grants import PacedStep
 from engine_ext.scheduling.hiding import Hiding, put_back
 from engine_ext.scheduling.idle_users import IdleUsers
@@ -72,6 +77,8 @@ class Steps:
         self.slots = SlotYielding(upstream)
         self.hiding = Hiding(upstream, kv_block_sizes)
         self.engine_late = EngineLate()
+        #: Draft tokens charged in the steps in flight, refunded once rejected.
+        self.drafts = DraftRefunds()
         #: Requests' throttle totals, kept only with request tracing on.
         self.episodes = ThrottleEpisodes()
         self.tracing = tracing
@@ -162,6 +169,7 @@ class Steps:
             self.use_hooks(False)
         upstream = self.upstream
         output = upstream.schedule(throttle_prefills)
+        scheduled_drafts = output.scheduled_spec_decode_tokens
         settlement.charge_free_step(
             self.book,
             budget,
@@ -171,7 +179,15 @@ class Steps:
             requests=upstream.requests(),
             dispatched=output.num_scheduled_tokens,
             set_aside=set_aside,
+            scheduled_drafts=scheduled_drafts,
         )
+        if scheduled_drafts:
+            self.drafts.dispatched(
+                output,
+                free_step_charges(
+                    scheduled_drafts, self.book.user_of, upstream.requests()
+                ),
+            )
         if self.book.parked_counts:
             self.book.parked_counts = {}
         self.next_ready_ns = None
@@ -306,6 +322,16 @@ class Steps:
             self.slots.yielded,
             self.episodes,
         )
+        if step.drafts:
+            self.drafts.dispatched(
+                output,
+                paced_step_charges(
+                    step.drafts,
+                    step.charged,
+                    output.num_scheduled_tokens,
+                    upstream.requests(),
+                ),
+            )
         if self.idle.due(now_ns):
             self.idle.cleanup(now_ns)
         self.shared.on_step(now_ns)

@@ -38,6 +38,7 @@ __all__ = [
     "first_prefill_chunk",
     "full_attention_block_sizes",
     "next_step_samples",
+    "refused_prefill_end",
 ]
 
 #: ``Request`` fields the concern modules read (and ``arrival_time``, which the
@@ -49,6 +50,8 @@ REQUEST_FIELDS = (
     "arrival_time",
     "num_tokens",
     "num_computed_tokens",
+    "num_output_placeholders",
+    "num_output_tokens",
     "is_prefill_chunk",
 )
 
@@ -82,8 +85,10 @@ class Upstream:
         "_scheduler",
         "block_size",
         "chunked_prefill",
+        "draft_tokens",
         "long_prefill_threshold",
         "lookahead_tokens",
+        "mamba_aligned",
         "max_active",
         "prefix_caching",
         "priority_policy",
@@ -103,6 +108,8 @@ class Upstream:
         self.max_active: int = scheduler.max_num_active_reqs
         self.token_budget: int = scheduler.max_num_scheduled_tokens
         self.lookahead_tokens: int = scheduler.num_lookahead_tokens
+        #: Draft tokens a speculative step may verify per request (0: off).
+        self.draft_tokens: int = scheduler.num_spec_tokens
         self.block_size: int = scheduler.block_size
         self.priority_policy = scheduler.policy == SchedulingPolicy.PRIORITY
         self.chunked_prefill = bool(scheduler.scheduler_config.enable_chunked_prefill)
@@ -110,6 +117,9 @@ class Upstream:
         self.long_prefill_threshold = bool(
             scheduler.scheduler_config.long_prefill_token_threshold
         )
+        #: Whether prefill chunks of a hybrid model must end on a Mamba block
+        #: boundary (Mamba cache mode ``align``: state is written at chunk ends).
+        self.mamba_aligned = bool(scheduler.need_mamba_block_aligned_split)
 
     @property
     def running(self) -> list[Request]:
@@ -155,6 +165,17 @@ class Upstream:
         self._scheduler.running.remove(request)
         self._scheduler._preempt_request(request, time.monotonic())
 
+    def mamba_aligned_split(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """Upstream's cut of the prefill chunk ``[num_computed_tokens,
+        +num_new_tokens)`` under ``mamba_aligned``: a chunk that ends before the
+        prefill does ends on a block boundary (possibly giving 0 tokens).
+        ``num_computed_tokens`` may include a prefix-cache hit not yet applied."""
+        return self._scheduler._mamba_block_aligned_split(
+            request, num_new_tokens, num_computed_tokens - request.num_computed_tokens
+        )
+
     def awaits_asynchronous_work(self) -> bool:
         """Whether a waiting request depends on work that completes without any
         input reaching the engine (a structured-output grammar compiling in a
@@ -190,3 +211,19 @@ def next_step_samples(request: Request) -> bool:
     """Whether the request's next computed position is a sampling one (it is
     decoding, or one position short of the end of its prefill)."""
     return request.num_computed_tokens >= request.num_tokens - 1
+
+
+def refused_prefill_end(request: Request, num_computed_tokens: int) -> int:
+    """Where the prefill of a request refused its sampling step stops: short of
+    its sampling position and, in a multimodal request, before a media item not
+    yet started whose placeholder reaches that position (its encoder output
+    would otherwise be computed for tokens the step leaves out, then held in
+    the encoder cache while the request waits for budget, and, with
+    ``disable_chunked_mm_input``, the item would be split)."""
+    sampling_position = end = request.num_tokens - 1
+    for feature in request.mm_features:
+        start = feature.mm_position.offset
+        stop = start + feature.mm_position.length
+        if num_computed_tokens < start <= sampling_position < stop:
+            end = min(end, start)
+    return end

@@ -3,12 +3,14 @@
 Invariants, kept by ``add``, ``remove`` and ``set_headroom``:
 
 - ``live[user]`` is the number of the user's requests between ``add_request``
-  and ``_free_request``: the most it can be charged in one step;
+  and ``_free_request``; ``live[user] * step_tokens`` is the most it can be
+  charged in one step (``step_tokens``: 1, or 1 + the draft tokens a
+  speculative step may verify);
 - ``headroom[user]`` is a number of tokens the user is known to have at any
   time until its next charge or a limit change (budget only grows with time);
 - ``constrained`` is exactly the users with live requests whose headroom is
-  unknown or below their live requests. While it is empty nobody can be
-  refused a token, so a step is free.
+  unknown or below that most. While it is empty nobody can be refused a token,
+  so a step is free.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ class UserBook:
         "live",
         "maybe_without_budget",
         "parked_counts",
+        "step_tokens",
         "user_of",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, step_tokens: int = 1) -> None:
+        #: Tokens one request may be charged in one step: 1 + the speculative
+        #: draft tokens a step may schedule for it.
+        self.step_tokens = step_tokens
         self.user_of: dict[str, str] = {}  #: request id -> user
         #: user -> its live requests: the most it can be charged in one step.
         self.live: dict[str, int] = {}
@@ -46,8 +52,8 @@ class UserBook:
         #: user -> tokens it is known to have until its next charge or a limit
         #: change; absent: unknown.
         self.headroom: dict[str, int] = {}
-        #: Users with live requests whose headroom is unknown or below their
-        #: live requests.
+        #: Users with live requests whose headroom is unknown or below the most
+        #: their live requests may be charged in one step.
         self.constrained: set[str] = set()
         #: user -> requests parked at the last step's start.
         self.parked_counts: dict[str, int] = {}
@@ -71,7 +77,7 @@ class UserBook:
         live = self.live[user] = self.live.get(user, 0) + 1
         if paced:
             self.added_since_step[request_id] = user
-        if self.headroom.get(user, -1) < live:
+        if self.headroom.get(user, -1) < live * self.step_tokens:
             self.constrained.add(user)
 
     def remove(self, request_id: str, *, paced: bool) -> None:
@@ -85,7 +91,7 @@ class UserBook:
         live = self.live[user] - 1
         if live:
             self.live[user] = live
-            if self.headroom.get(user, -1) >= live:
+            if self.headroom.get(user, -1) >= live * self.step_tokens:
                 self.constrained.discard(user)
             return
         del self.live[user]
@@ -118,7 +124,7 @@ class UserBook:
             self.maybe_without_budget.discard(user)
             return
         self.headroom[user] = headroom
-        if headroom < live:
+        if headroom < live * self.step_tokens:
             self.constrained.add(user)
         else:
             self.constrained.discard(user)
