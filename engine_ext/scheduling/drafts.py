@@ -7,7 +7,9 @@ drafts to the grant; a free step's users have headroom for every draft). When
 the step's output has been applied, each request's charge beyond the tokens it
 actually received (drafts rejected, tokens cut by a stop condition, a step
 whose request ended before its output came) is given back: the user pays for
-exactly what it received.
+exactly what it received. The per-user counters (``tokens charged``) count a
+step's first token at dispatch, as without drafts, and its drafts once
+received, so they equal the output tokens.
 
 Invariant: every draft charge of a dispatched step is settled exactly once, by
 the output of that step (steps are matched by identity, in order); a step whose
@@ -54,21 +56,27 @@ class StepCharges:
         book: UserBook,
         now_ns: int,
     ) -> dict[str, int]:
-        """Gives back what each request was charged beyond what it received;
-        returns the tokens refunded per user."""
+        """Gives back what each request was charged beyond what it received,
+        and counts its received drafts as charged (its first token was counted
+        at dispatch; when it received nothing, that one counts as refunded).
+        Returns the tokens given back per user."""
         refunds: dict[str, int] = {}
+        received_drafts: dict[str, int] = {}
         for (request, user, charged), before in zip(
             self.charges, self.outputs_before, strict=True
         ):
-            received = request.num_output_tokens - before
-            unused = charged - received
-            if unused > 0:
-                refunds[user] = refunds.get(user, 0) + unused
+            received = min(charged, request.num_output_tokens - before)
+            if received < charged:
+                refunds[user] = refunds.get(user, 0) + charged - received
+            if received > 1:
+                received_drafts[user] = received_drafts.get(user, 0) + received - 1
+            elif received <= 0:
+                accounting.record(user, "refunds")
         for user, count in refunds.items():
             budget.refund(user, now_ns, count)
-            accounting.record(user, "refunds", count)
             # It may have budget sooner than the wake-up time computed before.
             book.asleep_until.pop(user, None)
+        accounting.record_charged(received_drafts)
         return refunds
 
 

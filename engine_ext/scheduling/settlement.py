@@ -61,6 +61,13 @@ def settle_paced(
         if unused:
             budget.refund(user, now_ns, unused)
         book.set_headroom(user, step.remaining[user] + unused)
+    # Draft tokens count as charged once received (``drafts``); a request not
+    # dispatched counts one token charged and refunded, as without drafts.
+    for request_id, extra in drafts.items():
+        user = step.charged[request_id]
+        charged[user] -= extra
+        if request_id not in dispatched:
+            refunds[user] -= extra
     for user in book.constrained - step.left.keys():
         book.set_headroom(user, budget.available(user, now_ns))
     if yielded or episodes:
@@ -130,17 +137,20 @@ def charge_free_step(
         users = list(map(book.user_of.__getitem__, sampled))
         counts = Counter(users)
         book.last_served.update(zip(users, sampled, strict=True))
+    # Draft rows are taken from the budget now and count as charged once
+    # received (``drafts``).
+    taken = counts
     if scheduled_drafts:
         with_drafts = Counter(counts)
         user_of = book.user_of
         for request_id, rows in scheduled_drafts.items():
             with_drafts[user_of[request_id]] += len(rows)
-        counts = with_drafts
-    if counts:
+        taken = with_drafts
+    if taken:
         headroom = book.headroom
         live = book.live
         step_tokens = book.step_tokens
-        for user, remaining in budget.take_each(counts, now_ns).items():
+        for user, remaining in budget.take_each(taken, now_ns).items():
             if remaining >= live.get(user, 0) * step_tokens > 0:
                 headroom[user] = remaining  # still unconstrained: the common case
             else:
