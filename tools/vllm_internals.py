@@ -197,6 +197,14 @@ SCHEDULER: tuple[Internal, ...] = (
     ),
     _sched("_request_blocks_can_be_freed", "method", "(self, request)", UPSTREAM_PY),
     _sched(
+        "_mamba_block_aligned_split",
+        "method",
+        "(self, request, num_new_tokens, num_new_local_computed_tokens=0, "
+        "num_external_computed_tokens=0)",
+        UPSTREAM_PY,
+    ),
+    _sched("_get_local_prefix_cache_hit", "method", "(self, request)", UPSTREAM_PY),
+    _sched(
         "running",
         "attribute",
         INSTANCE,
@@ -250,6 +258,7 @@ SCHEDULER: tuple[Internal, ...] = (
             "kv_cache_manager",
             "log_stats",
             "num_spec_tokens",
+            "need_mamba_block_aligned_split",
         )
     ),
     Internal(

@@ -220,12 +220,16 @@ class RequestHooks:
         ``reserve_prefill_lookahead`` would end the whole waiting loop.
         """
         upstream = self.upstream
-        if not upstream.chunked_prefill or upstream.mamba_aligned:
-            # Hybrid (Mamba ``align``): a prefix-cache hit up to the last block
-            # boundary leaves no aligned chunk that stops short.
+        if not upstream.chunked_prefill:
             return False
         if request.num_tokens - request.num_computed_tokens <= 1:
             return False
+        if upstream.mamba_aligned:
+            # Hybrid: the chunk must end on a block boundary past the prefix-cache
+            # hit (upstream's lookup, which it repeats right after).
+            start = request.num_computed_tokens + upstream.prefix_hit_tokens(request)
+            short = request.num_tokens - 1 - start
+            return short > 0 and upstream.mamba_aligned_split(request, start, short) > 0
         # A prefix-cache hit covers whole blocks and at most num_tokens - 1
         # positions, so it leaves only the sampling position to compute exactly
         # when num_tokens - 1 is block-aligned.

@@ -176,6 +176,13 @@ class Upstream:
             request, num_new_tokens, num_computed_tokens - request.num_computed_tokens
         )
 
+    def prefix_hit_tokens(self, request: Request) -> int:
+        """The prefix-cache hit upstream's waiting loop would find for a waiting
+        request now (its lookup; 0 once the request has computed tokens)."""
+        if request.num_computed_tokens:
+            return 0
+        return self._scheduler._get_local_prefix_cache_hit(request)[1]
+
     def awaits_asynchronous_work(self) -> bool:
         """Whether a waiting request depends on work that completes without any
         input reaching the engine (a structured-output grammar compiling in a
