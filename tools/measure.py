@@ -79,9 +79,10 @@ async def stream_completion(
     user: str | None,
     max_tokens: int,
     prompt: str = "hello world",
+    temperature: float | None = None,
 ) -> StreamResult:
     """Streams one ``/v1/completions`` request with ``ignore_eos`` and records the
-    arrival time of every token."""
+    arrival time of every token (``temperature``: the server's default if None)."""
     body: dict = {
         "model": model,
         "prompt": prompt,
@@ -92,6 +93,8 @@ async def stream_completion(
     }
     if user is not None:
         body["vllm_xargs"] = {USER_FIELD: user}
+    if temperature is not None:
+        body["temperature"] = temperature
     result = StreamResult(user=user, started_at=time.monotonic())
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -130,6 +133,7 @@ async def run_streams(
     model: str,
     streams: Sequence[tuple[str | None, int]],
     timeout_s: float = 300.0,
+    temperature: float | None = None,
 ) -> list[StreamResult]:
     """Runs one stream per ``(user, max_tokens)`` entry, all at once."""
     limits = httpx.Limits(max_connections=len(streams) + 4)
@@ -137,7 +141,10 @@ async def run_streams(
         base_url=base_url, timeout=timeout_s, limits=limits
     ) as client:
         return await asyncio.gather(
-            *(stream_completion(client, model, user, n) for user, n in streams)
+            *(
+                stream_completion(client, model, user, n, temperature=temperature)
+                for user, n in streams
+            )
         )
 
 
