@@ -3,7 +3,8 @@
 # package registries): the side-by-side comparison with stock vLLM
 # (benchmarks.compare_stock: scheduler step, throughput, isolation, parked CPU,
 # smoothness, limiter) and the article's measurement, with async scheduling on
-# and off, on the locally generated tiny model. Installs the GPU wheel
+# and off, and speculative decoding with async scheduling, on the locally
+# generated tiny model. Installs the GPU wheel
 # (vllm 0.32.x) in .venv-gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,12 @@ for mode in async sync; do
   "$VENV/bin/python" -m benchmarks.article_measurement \
     --server-arg="$flag" --json "$out/article-$mode.json" | tee "$out/article-$mode.txt"
 done
+# Speculative decoding with async scheduling (vLLM runs draft-model drafting
+# async on GPUs only): pacing end to end, and paced untriggered vs stock.
+"$VENV/bin/python" -m pytest -q tests/test_e2e_spec_decode.py
+"$VENV/bin/python" -m benchmarks.compare_stock --async-scheduling --only throughput \
+  --speculative draft_model --throughput-runs 5 --json "$out/compare-spec.json" \
+  | tee "$out/compare-spec.txt"
 # The async runs must have used the async variant of the scheduler.
 python3 -c "import json,sys; a=json.load(open('$out/article-async.json'))['scheduler']; \
 c=json.load(open('$out/compare-async.json'))['schedulers']['paced']; \
