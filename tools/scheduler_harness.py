@@ -225,11 +225,11 @@ def model_output_for(
             continue
         rows = 0 if rid in admitted else len(drafts.get(rid, ()))
         sampled.append([7] * (1 + accepted(rid, rows)))
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
+    # vLLM 0.34's ModelRunnerOutput has no req_id_to_index field.
+    index = {"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}}
+    if "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__:
+        index = {}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **index)
 
 
 @dataclass
