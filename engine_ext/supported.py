@@ -29,7 +29,6 @@ def check_supported(vllm_config: Any) -> None:
             "--pipeline-parallel-size > 1: several batches in flight are not supported",
         ),
         (model.is_encoder_decoder, "encoder-decoder models are not supported"),
-        (model.is_hybrid, "hybrid (attention + state-space) models are not supported"),
         (model.is_attention_free, "attention-free models are not supported"),
         (
             model.is_diffusion or vllm_config.diffusion_config is not None,
