@@ -228,12 +228,15 @@ def idle_wait_timeout_s(scheduler: object, now_ns: int) -> float | None:
     """How long the engine may block after a step that ran no model: until the
     earliest refused user has budget again, at most ``ASYNC_WORK_WAIT_CAP_S``
     while a waiting request awaits asynchronous work and ``IDLE_WAIT_CAP_S``
-    otherwise; ``None`` when the scheduler is not waiting on the limiter."""
+    otherwise; ``None`` when the scheduler is not waiting on the limiter or a
+    KV connector is receiving a waiting request's KV cache."""
     ready_ns: int | None = getattr(scheduler, "next_ready_ns", None)
     if ready_ns is None:
         return None
     # Only our scheduler sets next_ready_ns.
     paced = cast("OutputRateSchedulerMixin", scheduler)
+    if paced.awaits_kv_transfer():
+        return None  # upstream's own 1 ms poll: a step reports the transfer
     cap_s = (
         ASYNC_WORK_WAIT_CAP_S if paced.awaits_asynchronous_work() else IDLE_WAIT_CAP_S
     )

@@ -315,6 +315,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         input reaching the engine: only a later step notices it is done."""
         return self._upstream.awaits_asynchronous_work()
 
+    def awaits_kv_transfer(self) -> bool:
+        """Whether a waiting request's KV cache is still being received by a KV
+        connector (only a step's output says when it is done)."""
+        return self._upstream.awaits_kv_transfer()
+
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """Lets control-plane changes end the engine's idle wait at once."""
         self.output_rate_shared.set_wake(wake)

@@ -259,6 +259,7 @@ SCHEDULER: tuple[Internal, ...] = (
             "log_stats",
             "num_spec_tokens",
             "need_mamba_block_aligned_split",
+            "connector",
         )
     ),
     Internal(

@@ -59,6 +59,7 @@ REQUEST_FIELDS = (
 STEP_HOOK_NAMES = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request")
 
 RUNNING = RequestStatus.RUNNING
+WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 #: Waiting states upstream can admit in this step (others wait for a grammar,
 #: a KV transfer or streamed input).
 STARTABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -182,6 +183,19 @@ class Upstream:
         if request.num_computed_tokens:
             return 0
         return self._scheduler._get_local_prefix_cache_hit(request)[1]
+
+    def awaits_kv_transfer(self) -> bool:
+        """Whether a waiting request's KV cache is being received by a KV
+        connector: the worker reports it done only in a step's output, so the
+        engine must keep stepping (upstream polls every 1 ms) until it is."""
+        scheduler = self._scheduler
+        if scheduler.connector is None:
+            return False
+        return any(
+            request.status == WAITING_FOR_REMOTE_KVS
+            for queue in (scheduler.waiting, scheduler.kv_holding_waiting)
+            for request in queue
+        )
 
     def awaits_asynchronous_work(self) -> bool:
         """Whether a waiting request depends on work that completes without any
