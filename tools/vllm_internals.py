@@ -160,6 +160,14 @@ SCHEDULER: tuple[Internal, ...] = (
         SCHEDULER_PY,
         _in_schedule("call", "schedule: running loop > preemption loop"),
     ),
+    _sched(
+        "_try_schedule_encoder_inputs",
+        "method",
+        "(self, request, num_computed_tokens, num_new_tokens, "
+        "encoder_compute_budget, shift_computed_tokens=0)",
+        SCHEDULER_PY,
+        _in_schedule("call", "schedule: running loop", "schedule: waiting loop"),
+    ),
     _sched("add_request", "method", "(self, request)", SCHEDULER_PY),
     _sched(
         "update_from_output",
