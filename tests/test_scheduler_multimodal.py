@@ -13,6 +13,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
+from engine_ext.scheduling.upstream import refused_prefill_end
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler, make_request
 from tools.tiny_vlm import IMAGE_TOKENS, ensure_tiny_vlm
@@ -27,10 +28,15 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def image_request(
-    user: str, prompt_len: int, image_at: int, max_tokens: int = 5
+    user: str,
+    prompt_len: int,
+    image_at: int,
+    max_tokens: int = 5,
+    *more_images_at: int,
 ) -> Request:
-    """A request of ``user`` with one image of ``IMAGE_TOKENS`` placeholder
-    tokens at ``image_at`` in its prompt, as vLLM's processor hands it over."""
+    """A request of ``user`` with an image of ``IMAGE_TOKENS`` placeholder
+    tokens at ``image_at`` (and at each of ``more_images_at``) in its prompt, as
+    vLLM's processor hands it over."""
     n = next(_ids)
     return Request(
         request_id=f"mm-{n}",
@@ -45,12 +51,32 @@ def image_request(
             MultiModalFeatureSpec(
                 data=None,
                 modality="image",
-                identifier=f"image-{n}",
-                mm_position=PlaceholderRange(offset=image_at, length=IMAGE_TOKENS),
+                identifier=f"image-{n}-{k}",
+                mm_position=PlaceholderRange(offset=at, length=IMAGE_TOKENS),
             )
+            for k, at in enumerate((image_at, *more_images_at))
         ],
         arrival_time=float(n),
     )
+
+
+@pytest.mark.parametrize(
+    ("images_at", "computed", "end"),
+    [
+        ((8,), 0, 39),  # text after the image: the second-to-last position
+        ((24,), 0, 24),  # the image holds the last position: stop before it
+        ((24,), 24, 39),  # the image reached already: nothing to stop before
+        ((24,), 30, 39),  # the image begun: it is in the encoder cache already
+        ((4, 24), 0, 24),  # only the image holding the last position counts
+    ],
+)
+def test_where_a_refused_prefill_stops(images_at, computed, end):
+    request = image_request("u", 40, *images_at[:1], 5, *images_at[1:])
+    assert refused_prefill_end(request, computed) == end
+
+
+def test_a_refused_text_prefill_stops_at_its_second_to_last_position():
+    assert refused_prefill_end(make_request("u", prompt_len=40), 0) == 39
 
 
 def spend_burst(driver, user: str) -> None:
@@ -60,10 +86,15 @@ def spend_burst(driver, user: str) -> None:
 
 
 @MODES
+@pytest.mark.parametrize(
+    "setting", [{}, {"max_num_active_seqs": 8}], ids=["no_cap", "active_cap"]
+)
 def test_a_refused_prefill_stops_before_an_image_that_reaches_its_last_position(
-    tiny_vlm_dir, async_scheduling
+    tiny_vlm_dir, async_scheduling, setting
 ):
-    scheduler, driver = driven_scheduler(tiny_vlm_dir, async_scheduling, default_rate=1)
+    scheduler, driver = driven_scheduler(
+        tiny_vlm_dir, async_scheduling, default_rate=1, **setting
+    )
     spend_burst(driver, "u")
     # The prompt ends with the image: its placeholder holds the sampling position.
     late = image_request("u", prompt_len=40, image_at=40 - IMAGE_TOKENS)
