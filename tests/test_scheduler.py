@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from engine_ext.scheduler import (
@@ -24,6 +23,7 @@ from tools.scheduler_harness import (
     Driver,
     make_request,
     run_seeded_workload,
+    runner_output,
     upstream_and_ours,
 )
 from tools.scheduler_harness import driven_scheduler as setup
@@ -431,11 +431,7 @@ def test_async_lookahead_step_is_charged_and_not_refunded(
         in_flight.append(
             (
                 output,
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=tokens,
-                ),
+                runner_output(req_ids, tokens),
             )
         )
         if len(in_flight) > 1:

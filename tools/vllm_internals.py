@@ -268,6 +268,7 @@ SCHEDULER: tuple[Internal, ...] = (
             "num_spec_tokens",
             "need_mamba_block_aligned_split",
             "connector",
+            "lora_config",
         )
     ),
     Internal(
@@ -290,6 +291,14 @@ SCHEDULER: tuple[Internal, ...] = (
         "vllm.v1.core.sched.output",
         "SchedulerOutput",
         "num_scheduled_tokens",
+        "attribute",
+        FIELD,
+        "engine_ext/scheduling/steps.py",
+    ),
+    Internal(
+        "vllm.v1.core.sched.output",
+        "SchedulerOutput",
+        "scheduled_spec_decode_tokens",
         "attribute",
         FIELD,
         "engine_ext/scheduling/steps.py",

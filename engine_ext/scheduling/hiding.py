@@ -7,6 +7,7 @@ done with it refused, provided that:
 
 - no preemption can happen (``kv_room_for``): upstream's victim is then
   ``running``'s tail, or the biased parked request under PRIORITY;
+- upstream does not count LoRA adapters over ``running``;
 - they keep their slots: the active cap drops by their number (only without
   ``max_num_active_seqs`` below ``max_num_seqs``, whose accounting
   ``request_hooks`` keeps);
@@ -43,9 +44,13 @@ class Hiding:
         self.kv_block_sizes = kv_block_sizes
         #: Whether the settings let a step take requests out of ``running``
         #: unnoticed by upstream: no active cap below the slots, no long-prefill
-        #: threshold (upstream's ``get_request_counts()`` reads ``running``).
+        #: threshold (upstream's ``get_request_counts()`` reads ``running``), no
+        #: LoRA (vLLM 0.33 counts the adapters of all of ``running`` against
+        #: ``max_loras`` before admitting).
         self.allowed = not (
-            upstream.max_active < upstream.slots or upstream.long_prefill_threshold
+            upstream.max_active < upstream.slots
+            or upstream.long_prefill_threshold
+            or upstream.lora
         )
 
     def hide_parked(self, step: PacedStep) -> list[Request]:

@@ -89,6 +89,7 @@ class Upstream:
         "draft_tokens",
         "long_prefill_threshold",
         "lookahead_tokens",
+        "lora",
         "mamba_aligned",
         "max_active",
         "prefix_caching",
@@ -118,6 +119,8 @@ class Upstream:
         self.long_prefill_threshold = bool(
             scheduler.scheduler_config.long_prefill_token_threshold
         )
+        #: Whether LoRA adapters are served (``--enable-lora``).
+        self.lora = scheduler.lora_config is not None
         #: Whether prefill chunks of a hybrid model must end on a Mamba block
         #: boundary (Mamba cache mode ``align``: state is written at chunk ends).
         self.mamba_aligned = bool(scheduler.need_mamba_block_aligned_split)
