@@ -7,12 +7,11 @@ the server's counters; every stream gets exactly its tokens."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
-from tools.local_server import VllmServer, free_port, start_server
+from tools.local_server import VllmServer, start_paced_server
 from tools.measure import assert_at_most_gcra, rates_by_user, run_streams
 from tools.server_counters import ChargedReads, on_engines
 from tools.tiny_hybrid import ensure_tiny_hybrid
@@ -31,20 +30,7 @@ def hybrid_server(tmp_path_factory: pytest.TempPathFactory):
     """Our server, pacing on, on the tiny hybrid model."""
     workdir = tmp_path_factory.mktemp("hybrid-server")
     model_dir = ensure_tiny_hybrid(workdir / "model")
-    control_address = f"127.0.0.1:{free_port()}"
-    server = start_server(
-        str(model_dir),
-        workdir / "vllm.log",
-        [
-            "--default-user-output-tokens-per-second",
-            "1000",
-            "--user-output-tokens-per-second",
-            json.dumps({USER: LIMIT}),
-            "--output-rate-control-address",
-            control_address,
-        ],
-    )
-    server.control_address = control_address
+    server = start_paced_server(str(model_dir), workdir, {USER: LIMIT})
     httpx.post(
         f"{server.base_url}/v1/completions",
         json={"model": server.model, "prompt": "warm up", "max_tokens": 4},

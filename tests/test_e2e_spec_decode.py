@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.local_server import free_port, speculative_config, start_server
+from tools.local_server import speculative_config, start_paced_server
 from tools.measure import StreamResult, assert_at_most_gcra, rates_by_user, run_streams
 from tools.server_counters import ChargedReads, on_engines, user_state
 
@@ -33,22 +33,13 @@ DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
 def spec_server(request, tiny_model_dir, tmp_path_factory):
     """A paced server drafting with ``request.param``, with a control plane."""
     workdir = tmp_path_factory.mktemp(f"spec-{request.param}")
-    control_address = f"127.0.0.1:{free_port()}"
-    server = start_server(
+    config = speculative_config(request.param, tiny_model_dir, DRAFTS)
+    server = start_paced_server(
         tiny_model_dir,
-        workdir / "vllm.log",
-        [
-            "--default-user-output-tokens-per-second",
-            "1000",
-            "--user-output-tokens-per-second",
-            json.dumps(LIMITS),
-            "--output-rate-control-address",
-            control_address,
-            "--speculative-config",
-            json.dumps(speculative_config(request.param, tiny_model_dir, DRAFTS)),
-        ],
+        workdir,
+        LIMITS,
+        ["--speculative-config", json.dumps(config)],
     )
-    server.control_address = control_address
     server.method = request.param
     # One request first, so no test measures the server's first-request costs.
     asyncio.run(run_streams(server.base_url, server.model, [(FAST, 4)]))

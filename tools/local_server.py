@@ -4,12 +4,14 @@ end-to-end tests and the benchmarks."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -174,6 +176,33 @@ def start_server(
     raise RuntimeError(
         f"vLLM server not healthy in {STARTUP_TIMEOUT_S} s:\n{server.log_tail()}"
     )
+
+
+def start_paced_server(
+    model_dir: str,
+    workdir: Path,
+    user_rates: dict[str, int],
+    extra_args: Sequence[str] = (),
+) -> VllmServer:
+    """Our server with pacing on (1,000 tok/s by default, ``user_rates`` for the
+    users named) and a control plane on a free loopback port, logging to
+    ``workdir/vllm.log``."""
+    control_address = f"127.0.0.1:{free_port()}"
+    server = start_server(
+        model_dir,
+        workdir / "vllm.log",
+        [
+            "--default-user-output-tokens-per-second",
+            "1000",
+            "--user-output-tokens-per-second",
+            json.dumps(user_rates),
+            "--output-rate-control-address",
+            control_address,
+            *extra_args,
+        ],
+    )
+    server.control_address = control_address
+    return server
 
 
 def speculative_config(method: str, model_dir: str, drafts: int) -> dict[str, object]:

@@ -95,12 +95,23 @@ async def stream_completion(
         body["vllm_xargs"] = {USER_FIELD: user}
     if temperature is not None:
         body["temperature"] = temperature
+    return await record_stream(client, "/v1/completions", body, user)
+
+
+async def record_stream(
+    client: httpx.AsyncClient, path: str, body: dict, user: str | None
+) -> StreamResult:
+    """POSTs a streaming ``body`` (with ``continuous_usage_stats``) to ``path``
+    and records the arrival time of every token; an error chunk raises with the
+    server's message."""
     result = StreamResult(user=user, started_at=time.monotonic())
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for data in _sse_data(response):
             now = time.monotonic()
             chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
             usage = chunk.get("usage") or {}
             count = usage.get("completion_tokens", result.completion_tokens)
             result.token_times.extend([now] * (count - result.completion_tokens))
