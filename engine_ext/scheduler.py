@@ -106,6 +106,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             lambda: self.clock(),
             request_counts=self._request_counts,
             mode=settings.mode,
+            fair_share=settings.build_fair_share(),
         )
         #: What attached through the core's registration point (the control
         #: plane, when the settings ask for one); stopped at shutdown.

@@ -21,6 +21,11 @@ class UserCounters:
     #: the user had a request in the engine across them: budget that lapsed
     #: unspent because the engine came late, not because the user was paced
     engine_late_ns: int = 0
+    #: weighted service received under fair share (``pacing.fair_share``):
+    #: prompt and output tokens computed, priced, divided by the user's weight
+    fair_share_service: float = 0.0
+    #: running requests that yielded their slot to a user below its fair share
+    fair_share_preemptions: int = 0
 
     def add(self, other: UserCounters) -> None:
         for f in fields(self):

@@ -22,6 +22,10 @@ in ``pacing.settings_checks``.
       "exempt_tiers": [],
       "user_source": "xargs",          # or "header:NAME", "openai-user"
       "require_user": false,           # true: no id is a 401, not __anonymous__
+      "fair_share": false,             # weighted fair share (pacing.fair_share)
+      "fair_share_config": {"prompt_price": 1, "output_price": 2,
+                            "hysteresis": 1024, "min_run_tokens": 16},
+      "user_weights": {"user-a": 2}, "tier_weights": {"pro": 4},
       "control": {                     # absent: no control plane
         "address": "127.0.0.1:50151", "config_path": null, "token_file": null,
         "tls_cert": null, "tls_key": null, "tls_client_ca": null
@@ -53,12 +57,22 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pacing.fair_share import FairShare, FairShareSettings, Weights
+from pacing.fair_share_settings import (
+    config_entry,
+    config_from_flag,
+    parse_fair_share_config,
+    parse_weights,
+    weights_from_flag,
+)
 from pacing.flag_names import (
     ADDRESS_OFF,
     CONTROL_FLAGS,
     DEFAULT_ADDRESS,
     DEFAULT_RATE_FLAG,
     EXEMPT_TIERS_FLAG,
+    FAIR_SHARE_CONFIG_FLAG,
+    FAIR_SHARE_FLAG,
     MODE_FLAG,
     REQUIRE_USER_FLAG,
     TABLE_FLAGS,
@@ -68,6 +82,7 @@ from pacing.flag_names import (
     TLS_CLIENT_CA_FLAG,
     TLS_KEY_FLAG,
     USER_SOURCE_FLAG,
+    WEIGHTS_FLAG,
 )
 from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
 from pacing.limiter import OutputRateLimiter, validate_rate
@@ -160,9 +175,10 @@ class OutputRateSettings:
     pacing off) and per-user overrides in output tokens per second, the mode,
     tiers, memberships and exemptions (``pacing.limits``), where the HTTP guard
     takes a request's user id from and whether a request must name one, the
-    control plane (``None``: none asked for), the metrics, and the global store
+    control plane (``None``: none asked for), the metrics, the global store
     that makes the limits hold across engines (``None``: none, each engine
-    paces alone)."""
+    paces alone), and weighted fair share (``pacing.fair_share``): whether it
+    is on at start, its pricing, and the users' and tiers' weights."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
@@ -176,6 +192,10 @@ class OutputRateSettings:
     control: ControlSettings | None = None
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     store: StoreSettings | None = None
+    fair_share: bool = False
+    fair_share_config: FairShareSettings = field(default_factory=FairShareSettings)
+    user_weights: Mapping[str, float] = field(default_factory=dict)
+    tier_weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Normalised so that equality and ``.value`` hold for a mode given by
@@ -205,6 +225,20 @@ class OutputRateSettings:
             raise SettingsError(
                 f"{REQUIRE_USER_FLAG} must be a boolean, got {self.require_user!r}"
             )
+        if not isinstance(self.fair_share, bool):
+            raise SettingsError(
+                f"{FAIR_SHARE_FLAG} must be a boolean, got {self.fair_share!r}"
+            )
+        weights = {"users": self.user_weights, "tiers": self.tier_weights}
+        user_weights, tier_weights = parse_weights(weights, WEIGHTS_FLAG)
+        object.__setattr__(self, "user_weights", user_weights)
+        object.__setattr__(self, "tier_weights", tier_weights)
+        for tier in tier_weights:
+            if tier not in self.tier_rates and tier not in self.exempt_tiers:
+                raise SettingsError(
+                    f"{WEIGHTS_FLAG} weighs tier {tier!r}, which neither "
+                    f"{TIERS_FLAG} nor {EXEMPT_TIERS_FLAG} defines"
+                )
         if self.default_rate is None:
             given = [flag for name, flag in TABLE_FLAGS.items() if getattr(self, name)]
             if self.mode is not Mode.ENFORCE:
@@ -215,6 +249,12 @@ class OutputRateSettings:
                 given.append(REQUIRE_USER_FLAG)
             if self.store is not None:
                 given.append(STORE_FLAG)
+            if self.fair_share:
+                given.append(FAIR_SHARE_FLAG)
+            if self.user_weights or self.tier_weights:
+                given.append(WEIGHTS_FLAG)
+            if self.fair_share_config != FairShareSettings():
+                given.append(FAIR_SHARE_CONFIG_FLAG)
             if given:
                 raise SettingsError(
                     f"{given[0]} needs {DEFAULT_RATE_FLAG}: the default limit "
@@ -236,6 +276,15 @@ class OutputRateSettings:
             memberships=dict(self.memberships),
             exempt_users=self.exempt_users,
             exempt_tiers=self.exempt_tiers,
+        )
+
+    @classmethod
+    def build_fair_share(self) -> FairShare:
+        """The fair-share ledger: these weights and pricing, on or off."""
+        return FairShare(
+            self.fair_share_config,
+            Weights(self.user_weights, self.tier_weights),
+            enabled=self.fair_share,
         )
 
     @classmethod
@@ -265,6 +314,17 @@ class OutputRateSettings:
             "user_source": getattr(args, dest(USER_SOURCE_FLAG)),
             "require_user": getattr(args, dest(REQUIRE_USER_FLAG)),
         }
+        user_weights, tier_weights = weights_from_flag(
+            getattr(args, dest(WEIGHTS_FLAG))
+        )
+        identity.update(
+            fair_share=getattr(args, dest(FAIR_SHARE_FLAG)),
+            fair_share_config=config_from_flag(
+                getattr(args, dest(FAIR_SHARE_CONFIG_FLAG))
+            ),
+            user_weights=user_weights,
+            tier_weights=tier_weights,
+        )
         if default_rate is None:
             return cls(mode=mode, **table, **identity, store=store)
         if store is not None:
@@ -345,6 +405,16 @@ class OutputRateSettings:
                 store = StoreSettings(**store_entry)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+        fair_share = entry.get("fair_share")
+        if fair_share is not None and not isinstance(fair_share, bool):
+            raise SettingsError(f"{where}['fair_share'] must be a boolean")
+        user_weights, tier_weights = parse_weights(
+            {
+                "users": object_entry(entry, "user_weights", where),
+                "tiers": object_entry(entry, "tier_weights", where),
+            },
+            f"{where}['user_weights'/'tier_weights']",
+        )
         return cls(
             default_rate=entry.get("default_rate"),
             user_rates=dict(user_rates),
@@ -358,6 +428,12 @@ class OutputRateSettings:
             control=control,
             metrics=MetricsSettings(**metrics),
             store=store,
+            fair_share=bool(fair_share),
+            fair_share_config=parse_fair_share_config(
+                entry.get("fair_share_config"), f"{where}['fair_share_config']"
+            ),
+            user_weights=user_weights,
+            tier_weights=tier_weights,
         )
 
     def to_additional_config(self) -> dict[str, Any]:
@@ -373,6 +449,10 @@ class OutputRateSettings:
             "user_source": self.user_source.spec,
             "require_user": self.require_user,
             "metrics": asdict(self.metrics),
+            "fair_share": self.fair_share,
+            "fair_share_config": config_entry(self.fair_share_config),
+            "user_weights": dict(self.user_weights),
+            "tier_weights": dict(self.tier_weights),
         }
         if self.control is not None:
             entry["control"] = asdict(self.control)

@@ -17,10 +17,12 @@ from typing import Any
 from pacing.flag_names import (
     EXEMPT_TIERS_FLAG,
     EXEMPT_USERS_FLAG,
+    FAIR_SHARE_CONFIG_FLAG,
     TABLE_FLAGS,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
     USER_RATES_FLAG,
+    WEIGHTS_FLAG,
 )
 from pacing.identity import validate_user
 from pacing.limiter import validate_rate
@@ -55,6 +57,16 @@ _JSON_FLAGS: dict[str, tuple[type, str, str]] = {
     ),
     EXEMPT_USERS_FLAG: (list, "array of user names", '["ops"]'),
     EXEMPT_TIERS_FLAG: (list, "array of tier names", '["staff"]'),
+    WEIGHTS_FLAG: (
+        dict,
+        "object of user and tier weights",
+        '{"users": {"alice": 2}, "tiers": {"pro": 4}}',
+    ),
+    FAIR_SHARE_CONFIG_FLAG: (
+        dict,
+        "object of fair-share prices and hysteresis",
+        '{"prompt_price": 1, "output_price": 2, "hysteresis": 1024}',
+    ),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from pacing.fair_share_settings import config_from_flag, weights_from_flag
 from pacing.flag_names import (
     ADDRESS_FLAG,
     ADDRESS_OFF,
@@ -20,6 +21,8 @@ from pacing.flag_names import (
     DEFAULT_RATE_FLAG,
     EXEMPT_TIERS_FLAG,
     EXEMPT_USERS_FLAG,
+    FAIR_SHARE_CONFIG_FLAG,
+    FAIR_SHARE_FLAG,
     MODE_FLAG,
     REQUIRE_USER_FLAG,
     TABLE_FLAGS,
@@ -32,6 +35,7 @@ from pacing.flag_names import (
     TOKEN_FILE_FLAG,
     USER_RATES_FLAG,
     USER_SOURCE_FLAG,
+    WEIGHTS_FLAG,
 )
 from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
 from pacing.limiter import validate_rate
@@ -128,6 +132,30 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         action="store_true",
         help="Refuse (401) a request that names no user, instead of charging it "
         "to __anonymous__.",
+    )
+    group.add_argument(
+        FAIR_SHARE_FLAG,
+        action="store_true",
+        help="Weighted fair share when the engine is saturated: among users with "
+        "budget, slots and admission go to the user with the least weighted "
+        "service (prompt and output tokens computed); caps stay as they are. "
+        "Live-switchable through the control plane.",
+    )
+    group.add_argument(
+        WEIGHTS_FLAG,
+        type=_checked(weights_from_flag),
+        default=None,
+        help='Fair-share weights as JSON, e.g. \'{"users": {"alice": 2}, "tiers": '
+        "{\"pro\": 4}}' (a user's own weight wins over its tier's; default 1).",
+    )
+    group.add_argument(
+        FAIR_SHARE_CONFIG_FLAG,
+        type=_checked(config_from_flag),
+        default=None,
+        help="Fair-share pricing as JSON: prompt_price (1) and output_price (2) "
+        "per token computed, hysteresis (1024 weighted units a user must be "
+        "ahead before its request yields a slot) and min_run_tokens (16 tokens "
+        "a request samples after each admission before it may yield again).",
     )
     group.add_argument(
         ADDRESS_FLAG,
@@ -297,6 +325,20 @@ def _timeout_arg(raw: str) -> int:
             f"expected a whole number of milliseconds in 1..{MAX_TIMEOUT_MS}, "
             f"got {raw!r}"
         ) from None
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse ``type`` that checks a JSON value with ``parse`` and keeps
+    the text (rules across flags are checked once all are parsed)."""
+
+    def check(raw: str) -> str:
+        try:
+            parse(raw)
+        except ValueError as exc:  # SettingsError included
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return raw
+
+    return check
 
 
 def _json_arg(flag: str) -> Callable[[str], str]:

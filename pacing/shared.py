@@ -40,6 +40,7 @@ from operator import attrgetter
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.budget import BudgetSource
+from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.recent_rate import NS_PER_S, RecentRates
@@ -110,6 +111,7 @@ class SharedLimiter:
         rate_interval_ns: int = NS_PER_S,
         mode: Mode = Mode.ENFORCE,
         budget: BudgetSource | None = None,
+        fair_share: FairShare | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.limiter = limiter
@@ -130,6 +132,9 @@ class SharedLimiter:
         #: configured (set by whatever starts the claimer, which updates it
         #: under the lock); ``None`` without one: no store metrics.
         self.store_stats: StoreStats | None = None
+        #: Weighted fair share (``pacing.fair_share``): its switch, weights and
+        #: counters; read every step, changed only under the lock.
+        self.fair_share = FairShare() if fair_share is None else fair_share
 
     @property
     def budget(self) -> BudgetSource:
