@@ -158,7 +158,7 @@ class FairShare:
     mode: only under the shared limiter's lock).
     """
 
-    __slots__ = ("counter", "enabled", "settings", "weights")
+    __slots__ = ("backlogged", "counter", "enabled", "refusal", "settings", "weights")
 
     def __init__(
         self,
@@ -172,6 +172,13 @@ class FairShare:
         self.enabled = enabled
         #: user -> its ordering key (lifted, rebased).
         self.counter: dict[str, float] = {}
+        #: The users backlogged and eligible at the last step's start (set by
+        #: the scheduler; the service gap is measured among them).
+        self.backlogged: frozenset[str] = frozenset()
+        #: Why fair share cannot run on this engine (set by the scheduler, e.g.
+        #: under PRIORITY scheduling), or None: switching it on is refused with
+        #: this reason.
+        self.refusal: str | None = None
 
     def cost(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
         """Weighted service of computing that many prompt and output tokens."""
@@ -211,10 +218,11 @@ class FairShare:
         """Lowers every counter by ``amount`` (not below 0)."""
         self.counter = {u: max(0.0, c - amount) for u, c in self.counter.items()}
 
-    def gap(self, backlogged: Iterable[str]) -> float:
-        """The largest counter difference among ``backlogged`` users (0 for
-        fewer than two)."""
-        values = [self.counter.get(u, 0.0) for u in backlogged]
+    def gap(self, backlogged: Iterable[str] | None = None) -> float:
+        """The largest counter difference among ``backlogged`` users (default:
+        those of the last step; 0 for fewer than two)."""
+        users = self.backlogged if backlogged is None else backlogged
+        values = [self.counter.get(u, 0.0) for u in users]
         if len(values) < 2:
             return 0.0
         return max(values) - min(values)
