@@ -23,7 +23,7 @@ import time
 from pacing.claims import ClaimedBalances
 from pacing.limiter import OutputRateLimiter
 from store.claimer import Claimer
-from store.redis_store import connect
+from store.clients import connect
 from tools.counting_store import CountingStore
 from tools.redis_server import redis_server
 

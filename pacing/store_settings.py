@@ -1,5 +1,6 @@
 """The global store's settings (``--output-rate-store`` and its flags): where the
-Redis server is, how long a call may take, what an engine does once the store
+Redis deployment is (``pacing.store_url``: one server, a cluster or Sentinel),
+how long a call may take, what an engine does once the store
 has been unreachable for a while, and where its password comes from.
 
 The password is never a setting: it would show in ``ps``, in vLLM's logged
@@ -17,21 +18,20 @@ from __future__ import annotations
 import enum
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
-STORE_FLAG = "--output-rate-store"
-PASSWORD_FILE_FLAG = "--output-rate-store-password-file"
+# The flags and URL rules are the settings' own, whose readers import them here.
+from pacing.store_url import PASSWORD_ENV as PASSWORD_ENV
+from pacing.store_url import PASSWORD_FILE_FLAG as PASSWORD_FILE_FLAG
+from pacing.store_url import STORE_FLAG as STORE_FLAG
+from pacing.store_url import TIMEOUT_FLAG as TIMEOUT_FLAG
+from pacing.store_url import StoreAddress, parse_url
+from pacing.store_url import validate_url as validate_url
+
 FAILURE_MODE_FLAG = "--output-rate-store-failure-mode"
 FAILURE_AFTER_FLAG = "--output-rate-store-failure-after"
-TIMEOUT_FLAG = "--output-rate-store-timeout-ms"
-
-#: Environment variable holding the store's password when no password file is
-#: given (read by the process that connects).
-PASSWORD_ENV = "OUTPUT_RATE_STORE_PASSWORD"
 
 #: Seconds of outage before the failure mode applies.
 DEFAULT_FAILURE_AFTER_S = 5.0
@@ -40,20 +40,6 @@ DEFAULT_FAILURE_AFTER_S = 5.0
 DEFAULT_TIMEOUT_MS = 50
 #: Beyond a minute the store is down, not slow.
 MAX_TIMEOUT_MS = 60_000
-
-#: URL schemes redis-py's ``from_url`` takes.
-SCHEMES = ("redis", "rediss", "unix")
-#: Query options of the URL passed on to redis-py: the database (the only way
-#: to name one for ``unix://``) and, for ``rediss://``, the TLS files. Any other
-#: would override a setting of ours (redis-py lets the query win) or hold a
-#: secret.
-DB_OPTION = "db"
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-
-_NO_PASSWORD = (
-    f"must not hold a password (a command line shows in `ps` and in logs): use "
-    f"{PASSWORD_FILE_FLAG} PATH or the environment variable {PASSWORD_ENV}"
-)
 
 
 class FailureMode(str, enum.Enum):
@@ -111,10 +97,14 @@ class StoreSettings:
         return self.timeout_ms / 1000
 
     @property
+    def address(self) -> StoreAddress:
+        """The URL taken apart: the deployment's kind, nodes, TLS files."""
+        return parse_url(self.url)
+
+    @property
     def tls_files(self) -> dict[str, str]:
         """The URL's TLS file options (``ssl_ca_certs`` ...) and their paths."""
-        query = parse_qs(urlsplit(self.url).query, keep_blank_values=True)
-        return {name: query[name][0] for name in TLS_OPTIONS if name in query}
+        return self.address.tls_files
 
     def password(self, environ: Mapping[str, str] = os.environ) -> str | None:
         """The password: the password file's content (surrounding whitespace
@@ -173,80 +163,6 @@ def validate_timeout_ms(value: object, *, field: str = TIMEOUT_FLAG) -> int:
             f"1..{MAX_TIMEOUT_MS}, got {value!r}"
         )
     return value
-
-
-def validate_url(url: object) -> str:
-    """Returns ``url`` if redis-py would connect with it to one server and
-    database, and nothing in it overrides our settings or holds a secret:
-
-    - ``redis://HOST[:PORT][/DB]``, ``rediss://...`` (TLS), or
-      ``unix:///PATH`` (database with ``?db=N``);
-    - a user name is fine (Redis ACLs), a password is not (``_NO_PASSWORD``);
-    - query options: ``db`` (not beside a database in the path), and with
-      ``rediss://`` the TLS files ``ssl_ca_certs``, ``ssl_certfile``,
-      ``ssl_keyfile``.
-
-    Raises ValueError naming ``STORE_FLAG``; the message never holds the URL."""
-    if not isinstance(url, str):
-        raise ValueError(f"{STORE_FLAG} must be a string, got {type(url).__name__}")
-    # redis-py checks the scheme as written, lower case.
-    scheme = next((s for s in SCHEMES if url.startswith(f"{s}://")), None)
-    if scheme is None:
-        raise ValueError(
-            f"{STORE_FLAG} must be a URL starting redis://, rediss:// (TLS) or "
-            "unix:// (a socket), like redis://127.0.0.1:6379/0"
-        )
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(
-            f"{STORE_FLAG} has a port that is no number in 0..65535"
-        ) from None
-    if parts.password is not None:
-        raise ValueError(f"{STORE_FLAG} {_NO_PASSWORD}")
-    try:
-        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=True)
-    except ValueError:
-        raise ValueError(f"{STORE_FLAG} has a malformed query string") from None
-    for name, values in query.items():
-        if name == "password":
-            raise ValueError(f"{STORE_FLAG} {_NO_PASSWORD}")
-        allowed = (DB_OPTION, *TLS_OPTIONS) if scheme == "rediss" else (DB_OPTION,)
-        if name not in allowed:
-            raise ValueError(
-                f"{STORE_FLAG}: option {name!r} is not taken here (with "
-                f"{scheme}:// only {', '.join(allowed)}; the timeout is "
-                f"{TIMEOUT_FLAG})"
-            )
-        if len(values) > 1 or not values[0]:
-            raise ValueError(f"{STORE_FLAG}: option {name!r} needs one value")
-    if DB_OPTION in query and not _DIGITS.fullmatch(query[DB_OPTION][0]):
-        raise ValueError(f"{STORE_FLAG}: db must be a database number")
-    if scheme == "unix":
-        if parts.hostname is not None or port is not None:
-            raise ValueError(
-                f"{STORE_FLAG}: a unix:// URL names no host, like unix:///run/redis.sock"
-            )
-        if len(parts.path) < 2:
-            raise ValueError(f"{STORE_FLAG}: a unix:// URL needs the socket's path")
-        return url
-    if not parts.hostname:
-        raise ValueError(f"{STORE_FLAG} needs a host, like redis://127.0.0.1:6379/0")
-    if port == 0:
-        raise ValueError(f"{STORE_FLAG} has port 0")
-    db = parts.path.removeprefix("/")
-    if db and not _DIGITS.fullmatch(db):
-        raise ValueError(
-            f"{STORE_FLAG}: the path must be a database number, like "
-            "redis://127.0.0.1:6379/0"
-        )
-    if db and DB_OPTION in query:
-        raise ValueError(f"{STORE_FLAG} names the database twice (path and ?db=)")
-    return url
-
-
-_DIGITS = re.compile("[0-9]+")
 
 
 def _read(path: str, flag: str) -> bytes:

@@ -1,19 +1,25 @@
 """The Redis side of the global budget: a thin wrapper over a ``redis`` client
-that runs the store's scripts, many per round trip, and turns every failure
+(``store.clients``: one server, a Sentinel-managed master or a Redis Cluster)
+that runs the store's scripts, many per round trip (over a cluster, one
+pipeline per shard, sent together: ``store.shards``), and turns every failure
 into ``StoreError``.
 
 Key layout (``KeySpace``; ``output_rate`` is the default prefix):
 
 - ``output_rate:user:{alice}``: alice's GCRA cell (``store.cell``); the hash tag
-  is the user id, so a user's keys share a Redis Cluster slot;
+  is the user id, so users spread over a cluster's slots;
 - ``{output_rate}:limits``: the limits table, a hash of ``version`` and
   ``document`` (``store.limits_table``); changes are published on the channel
   ``output_rate:limits``;
 - ``{output_rate}:engines``: live engines, a sorted set of engine ids scored by
   when their heartbeat runs out (Redis time, ms).
 
+Every script touches only the one key it declares, so each runs within one
+slot of a cluster (the two ``{output_rate}`` keys share a slot as well).
+
 Scripts run by ``EVALSHA``; a server that does not know one (restarted, or
-flushed) gets them all loaded, then the calls that failed are run again (two
+flushed, or a replica promoted) gets them all loaded (on every master of a
+cluster), then the calls that failed are run again (two
 more round trips).
 """
 
@@ -26,19 +32,21 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
-from redis.retry import Retry
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from pacing.claims import Request
 from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE
 from store import cell, limits_table
+from store.clients import Client, LazyCluster
 from store.limits_table import Limits
+from store.shards import ShardedPipelines
 
 T = TypeVar("T")
 
-#: Socket timeouts: the claimer would rather report a slow store than wait on it.
-DEFAULT_TIMEOUT_S = 0.05
+#: What a failed call raises: a ``RedisError``, or a cluster whose layout no
+#: node gave (redis-py's cluster errors are not all ``RedisError``).
+_FAILURES = (RedisError, RedisClusterException)
 
 #: KEYS[1]: the engines' sorted set. ARGV: engine id, heartbeat lifetime (ms).
 #: Drops the engines whose heartbeat ran out, renews this one and returns how
@@ -140,23 +148,6 @@ _SCRIPTS = (_CLAIM, _RETURN, _PUT_LIMITS, _HEARTBEAT)
 _Call = tuple[_Script, Sequence[str], Sequence[str | int]]
 
 
-def connect(
-    url: str, *, password: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> redis.Redis:
-    """A client for ``url`` (``redis://HOST:PORT/DB``, or ``rediss://`` for TLS)
-    whose every call fails after ``timeout_s`` instead of waiting, and is never
-    retried by the client (the claimer tries again on its next pass). The
-    password comes apart from the URL, so it need not appear on a command
-    line."""
-    return redis.Redis.from_url(
-        url,
-        password=password,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-    )
-
-
 class RedisStore:
     """The store's operations over one ``redis`` client (thread-safe as the
     client is: its connection pool hands each call its own connection).
@@ -167,7 +158,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Client,
         *,
         keys: KeySpace | None = None,
         tolerance_ns: int = DEFAULT_BURST_NS,
@@ -178,6 +169,7 @@ class RedisStore:
                 f"microseconds, got {tolerance_ns}"
             )
         self._client = client
+        self._shards: ShardedPipelines | None = None
         self.keys = keys or KeySpace()
         self._tolerance_us = tolerance_ns // 1000
         #: Round trips made (a batch is one, loading scripts one more).
@@ -260,7 +252,7 @@ class RedisStore:
 
     def leave(self, engine: str) -> None:
         """Marks ``engine`` gone at once (a clean shutdown)."""
-        self._call(lambda: self._client.zrem(self.keys.engines, engine))
+        self._call(lambda: self._redis().zrem(self.keys.engines, engine))
 
     # -- the limits table ----------------------------------------------------------
 
@@ -268,7 +260,7 @@ class RedisStore:
         """The stored limits table and its version; ``None`` when there is none.
         Raises ValueError for a document that breaks the table's rules."""
         version, document = self._call(
-            lambda: self._client.hmget(self.keys.limits, "version", "document")
+            lambda: self._redis().hmget(self.keys.limits, "version", "document")
         )
         if version is None or document is None:
             return None
@@ -277,7 +269,7 @@ class RedisStore:
     def limits_version(self) -> int | None:
         """The stored limits table's version alone (``None``: there is none): a
         cheap check before reading a document that may be megabytes."""
-        version = self._call(lambda: self._client.hget(self.keys.limits, "version"))
+        version = self._call(lambda: self._redis().hget(self.keys.limits, "version"))
         return None if version is None else int(version)
 
     def write_limits(self, limits: Limits, expected_version: int | None) -> int:
@@ -303,15 +295,21 @@ class RedisStore:
     def subscribe_limits(self) -> LimitsSubscription:
         """A subscription to the limits table's new versions."""
         return self._call(
-            lambda: LimitsSubscription(self._client, self.keys.limits_channel)
+            lambda: LimitsSubscription(self._redis(), self.keys.limits_channel)
         )
 
     # -- helpers -------------------------------------------------------------------
 
+    def _redis(self) -> redis.Redis | RedisCluster:
+        """The client (a cluster's is built on first use, inside ``_call``)."""
+        if isinstance(self._client, LazyCluster):
+            return self._client.get()
+        return self._client
+
     def _call(self, call: Callable[[], T]) -> T:
         try:
             result = call()
-        except RedisError as error:
+        except _FAILURES as error:
             raise StoreError(f"{type(error).__name__}: {error}") from error
         self.round_trips += 1
         return result
@@ -334,25 +332,44 @@ class RedisStore:
         return results
 
     def _load_scripts(self) -> None:
-        """Loads every script (one round trip): a server that forgot one has
-        forgotten them all."""
-        pipe = self._client.pipeline(transaction=False)
+        """Loads every script (one round trip per master): a server that forgot
+        one has forgotten them all."""
+        client = self._redis()
+        if isinstance(client, RedisCluster):
+            shards = self._sharded(client)
+            for script in _SCRIPTS:
+                shards.on_every_master(("SCRIPT", "LOAD", script.source))
+            return
+        pipe = client.pipeline(transaction=False)
         for script in _SCRIPTS:
             pipe.script_load(script.source)
         pipe.execute()
 
     def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
+        client = self._redis()
+        if isinstance(client, RedisCluster):
+            return self._sharded(client).run(
+                [
+                    (keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args))
+                    for script, keys, args in calls
+                ]
+            )
+        pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         results: list[Any] = pipe.execute(raise_on_error=False)
         return results
 
+    def _sharded(self, client: RedisCluster) -> ShardedPipelines:
+        if self._shards is None:
+            self._shards = ShardedPipelines(client)
+        return self._shards
+
 
 class LimitsSubscription:
     """New versions of the limits table, as published by ``write_limits``."""
 
-    def __init__(self, client: redis.Redis, channel: str) -> None:
+    def __init__(self, client: redis.Redis | RedisCluster, channel: str) -> None:
         # redis-py annotates pubsub() from 8.2 on and leaves it unannotated
         # before: the ignore is needed with one and unused with the other.
         self._pubsub = client.pubsub(  # type: ignore[no-untyped-call, unused-ignore]
@@ -370,7 +387,7 @@ class LimitsSubscription:
                 message = self._pubsub.get_message(
                     timeout=max(0.0, deadline - time.monotonic())
                 )
-            except RedisError as error:
+            except _FAILURES as error:
                 raise StoreError(f"{type(error).__name__}: {error}") from error
             if message is not None:
                 return int(message["data"])

@@ -18,8 +18,9 @@ from pacing.store_budget import StoreBudget
 from pacing.store_settings import StoreSettings
 from pacing.store_stats import StoreStats
 from store.claimer import Claimer
+from store.clients import connect
 from store.limits_sync import LimitsSync
-from store.redis_store import RedisStore, connect
+from store.redis_store import RedisStore
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")

@@ -12,7 +12,7 @@ import redis
 
 from pacing.claims import ClaimedBalances
 from store.claimer import Claimer
-from store.redis_store import connect
+from store.clients import connect
 from tools.counting_store import CountingStore
 from tools.redis_server import redis_server
 

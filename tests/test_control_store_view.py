@@ -21,7 +21,8 @@ from pacing.store_budget import DEGRADED_AFTER_NS, StoreBudget
 from pacing.store_settings import FailureMode
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from store.claimer import Claimer
-from store.redis_store import RedisStore, connect
+from store.clients import connect
+from store.redis_store import RedisStore
 from tests import store_harness
 from tests.control_harness import NS_PER_S, Rig, Served, make_rig, serving
 from tools.fake_clock import FakeClock

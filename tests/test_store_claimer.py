@@ -14,7 +14,8 @@ import redis
 from pacing.claims import CellReading, ClaimedBalances
 from pacing.limiter import NS_PER_S, OutputRateLimiter
 from store.claimer import Claimer, tat_lead_ns
-from store.redis_store import RedisStore, connect
+from store.clients import connect
+from store.redis_store import RedisStore
 from tests import store_harness
 from tools.fake_clock import FakeClock
 

@@ -28,9 +28,10 @@ from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.settings import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
+from store.clients import connect
 from store.limits_sync import LimitsSync
 from store.limits_table import Limits, encode
-from store.redis_store import KeySpace, RedisStore, connect
+from store.redis_store import KeySpace, RedisStore
 from tests import store_harness
 from tests.control_harness import Rig, Served, make_rig, serving
 from tools.redis_server import redis_server

@@ -22,7 +22,7 @@ from pacing.store_settings import (
     parse_failure_mode,
     validate_url,
 )
-from store.redis_store import connect
+from store.clients import connect
 from tools.redis_server import redis_server
 
 SECRET = "s3cret-Pa55"

@@ -26,7 +26,8 @@ from pacing.claims import ClaimedBalances, Request
 from pacing.limiter import NS_PER_S, OutputRateLimiter
 from pacing.store_stats import LATENCY_BUCKETS_NS, StoreStats
 from store.claimer import Claimer
-from store.redis_store import Exchange, RedisStore, connect
+from store.clients import connect
+from store.redis_store import Exchange, RedisStore
 from tests import store_harness
 from tools.fake_clock import FakeClock
 from tools.redis_server import redis_server
