@@ -283,6 +283,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self._request_hooks.preempting(request)
+        if self.output_rate_shared.fair_share.enabled:
+            self._steps.fair.preempted(request)
         super()._preempt_request(request, *args, **kwargs)
 
     def _bind_step_hooks(self, hooks: tuple[Callable[..., object], ...]) -> None:

@@ -278,7 +278,6 @@ class OutputRateSettings:
             exempt_tiers=self.exempt_tiers,
         )
 
-    @classmethod
     def build_fair_share(self) -> FairShare:
         """The fair-share ledger: these weights and pricing, on or off."""
         return FairShare(

@@ -29,6 +29,7 @@ from engine_ext.scheduling.drafts import (
     free_step_charges,
     paced_step_charges,
 )
+from engine_ext.scheduling.fair_share import FairShareSteps
 from engine_ext.scheduling.grants import PacedStep
 from engine_ext.scheduling.hiding import Hiding, put_back
 from engine_ext.scheduling.idle_users import IdleUsers
@@ -76,6 +77,13 @@ class Steps:
         self._bind_hooks = bind_hooks
         self.slots = SlotYielding(upstream)
         self.hiding = Hiding(upstream, kv_block_sizes)
+        self.fair = FairShareSteps(
+            upstream,
+            shared.fair_share,
+            book,
+            shared.accounting,
+            shared.limiter.tier_of,
+        )
         self.engine_late = EngineLate()
         #: Draft tokens charged in the steps in flight, refunded once rejected.
         self.drafts = DraftRefunds()
@@ -104,6 +112,7 @@ class Steps:
         """Forgets a request that ended; returns its steps passed over and
         seconds throttled if it was ever throttled (request tracing on)."""
         self.slots.yielded.discard(request_id)
+        self.fair.request_ended(request_id)
         if not self.episodes:
             return None
         return self.episodes.end(request_id, self.clock())
@@ -168,7 +177,16 @@ class Steps:
         if self.hooks_bound:
             self.use_hooks(False)
         upstream = self.upstream
+        fair = self.fair.active()
+        if fair:
+
+            def eligible(user: str) -> bool:
+                return user not in set_aside
+
+            self.fair.before_step(eligible, eligible)
         output = upstream.schedule(throttle_prefills)
+        if fair:
+            self.fair.charge_service(output.num_scheduled_tokens, upstream.requests())
         scheduled_drafts = output.scheduled_spec_decode_tokens
         settlement.charge_free_step(
             self.book,
@@ -192,9 +210,14 @@ class Steps:
             self.book.parked_counts = {}
         self.next_ready_ns = None
         if self.idle.due(now_ns):
-            self.idle.cleanup(now_ns)
+            self.cleanup(now_ns, fair)
         self.shared.on_step(now_ns)
         return output
+
+    def cleanup(self, now_ns: int, fair: bool) -> None:
+        self.idle.cleanup(now_ns)
+        if fair:
+            self.fair.cleanup()
 
     def sleepers_step(
         self, now_ns: int, budget: BudgetSource, throttle_prefills: bool
@@ -300,9 +323,12 @@ class Steps:
             else:
                 running[:] = for_step
         hidden: list[Request] = []
+        fair = self.fair.active()
         try:
             if not shadow:
                 self.slots.yield_for_waiting(step)
+            if fair:
+                self._fair_share_start(step, shadow)
             if ordered and not throttle_prefills:
                 hidden = self.hiding.hide_parked(step)
             output = upstream.schedule(throttle_prefills)
@@ -332,7 +358,33 @@ class Steps:
                     upstream.requests(),
                 ),
             )
+        if fair:
+            self.fair.charge_service(output.num_scheduled_tokens, upstream.requests())
         if self.idle.due(now_ns):
-            self.idle.cleanup(now_ns)
+            self.cleanup(now_ns, fair)
         self.shared.on_step(now_ns)
         return output
+
+    def _fair_share_start(self, step: PacedStep, shadow: bool) -> None:
+        """Fair share's step start in a paced step: a user is eligible unless
+        it was found without budget (its waiting requests: unless it has none
+        in this step's grant); parked requests never yield for fair share (they
+        yield to users with budget already: ``slots``)."""
+        if shadow:  # nobody is throttled: everyone is eligible
+
+            def anyone(user: str) -> bool:
+                return True
+
+            self.fair.before_step(anyone, anyone)
+            return
+        without_budget = self.book.maybe_without_budget
+
+        def eligible(user: str) -> bool:
+            return user not in without_budget
+
+        def can_start(user: str) -> bool:
+            return step.has_budget(user)
+
+        self.fair.before_step(
+            eligible, can_start, keep={r.request_id for r in step.parked}
+        )

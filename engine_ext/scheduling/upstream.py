@@ -49,6 +49,7 @@ REQUEST_FIELDS = (
     "priority",
     "arrival_time",
     "num_tokens",
+    "num_prompt_tokens",
     "num_computed_tokens",
     "num_output_placeholders",
     "num_output_tokens",
@@ -139,6 +140,14 @@ class Upstream:
         """Whether a request waits, to start or for its KV cache to be held."""
         scheduler = self._scheduler
         return bool(scheduler.waiting) or bool(scheduler.kv_holding_waiting)
+
+    def reorder_waiting(self, order: list[Request]) -> None:
+        """Puts the waiting queue in ``order`` (every request of the queue,
+        once), through the queue's own methods."""
+        queue = self._scheduler.waiting
+        queue.remove_requests(order)
+        for request in order:
+            queue.add_request(request)
 
     def waiting_count(self) -> int:
         return len(self._scheduler.waiting)

@@ -1,0 +1,295 @@
+"""Weighted fair share in the step: who is served when the engine is saturated.
+
+With fair share on (``pacing.fair_share``: the ledger, its counters and the
+lift) every step, free or paced, does three things around upstream's
+``schedule()``; caps are untouched (a user without budget is not eligible):
+
+- *Lift* (step start): users that became backlogged and eligible since the last
+  step are lifted to the smallest counter of the others.
+- *Slots* (step start, only when eligible requests wait that the free slots
+  cannot take): a running request of user ``v`` yields its slot (vLLM's
+  preemption, recomputed on resume) to a waiting request of user ``u`` when
+
+  1. ``counter[v] - counter[u] > hysteresis`` (``v`` is ahead by more than the
+     hysteresis: small differences never move a slot),
+  2. ``held[v] / weight[v] > held[u] / weight[u]`` (``v`` holds more slots per
+     weight than ``u``, counting the moves of this step: a step never swaps a
+     slot back and forth, nor takes ``v`` below ``u``),
+  3. the request has sampled ``min_run_tokens`` since it was last admitted
+     (``run_floor``): every admission earns that many tokens before the
+     request may yield again, so no request thrashes.
+
+  Receivers are taken in fair order, victims from the user furthest ahead,
+  its request with the fewest computed tokens first (the cheapest recompute).
+- *Order* (step start, when a slot is free for a waiting request): the waiting
+  queue is sorted by the users' counters, each user's requests in their order,
+  a request's projected prompt cost added to its user as it is placed
+  (VTC's admission loop). Requests in upstream's KV-holding queue are not
+  moved.
+- *Service* (step end): each scheduled request's positions computed for the
+  first time are charged to its user: prompt positions at ``prompt_price``,
+  positions from the last prompt token on (each samples an output token) at
+  ``output_price``, over the user's weight. A prefix-cache hit is never
+  computed; positions recomputed after a preemption are below the request's
+  high-water mark (``high_water``), so they are not charged again.
+
+Only FCFS scheduling (``Upstream.priority_policy`` false): under PRIORITY the
+queue's order is the priorities', and fair share refuses to run
+(``FairShare.refusal``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
+
+from engine_ext.scheduling.upstream import STARTABLE, Upstream
+from engine_ext.scheduling.users import UserBook
+from pacing.accounting import Accounting
+from pacing.fair_share import FairShare
+from pacing.identity import ANONYMOUS_USER
+
+if TYPE_CHECKING:
+    from engine_ext.scheduling.upstream import Request
+
+#: Why fair share does not run under PRIORITY scheduling.
+PRIORITY_REFUSAL = (
+    "fair share orders admission by weighted service; --scheduling-policy "
+    "priority orders it by priority: run fair share with the default fcfs policy"
+)
+
+
+class FairShareSteps:
+    """Fair share around one scheduler's steps (the shared lock is held)."""
+
+    __slots__ = (
+        "accounting",
+        "backlogged",
+        "book",
+        "high_water",
+        "ledger",
+        "run_floor",
+        "tier_of",
+        "upstream",
+        "was_enabled",
+    )
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        ledger: FairShare,
+        book: UserBook,
+        accounting: Accounting,
+        tier_of: Callable[[str], str | None],
+    ) -> None:
+        self.upstream = upstream
+        self.ledger = ledger
+        self.book = book
+        self.accounting = accounting
+        self.tier_of = tier_of
+        if upstream.priority_policy:
+            if ledger.enabled:
+                raise ValueError(PRIORITY_REFUSAL)
+            ledger.refusal = PRIORITY_REFUSAL
+        #: request id -> positions computed at least once (charged).
+        self.high_water: dict[str, int] = {}
+        #: request id -> output tokens it must reach before it may yield for
+        #: fair share again (absent: ``min_run_tokens``, a first admission).
+        self.run_floor: dict[str, int] = {}
+        #: Users backlogged and eligible at the last step's start.
+        self.backlogged: set[str] = set()
+        self.was_enabled = False
+
+    def active(self) -> bool:
+        """Whether fair share runs in this step; a switch on starts every
+        counter afresh."""
+        enabled = self.ledger.enabled
+        if enabled and not self.was_enabled:
+            self.ledger.counter.clear()
+            self.backlogged = set()
+        self.was_enabled = enabled
+        return enabled
+
+    def request_ended(self, request_id: str) -> None:
+        self.high_water.pop(request_id, None)
+        self.run_floor.pop(request_id, None)
+
+    def preempted(self, request: Request) -> None:
+        """Any preemption: the request must sample ``min_run_tokens`` after it
+        resumes before it may yield for fair share."""
+        self.run_floor[request.request_id] = (
+            request.num_output_tokens + self.ledger.settings.min_run_tokens
+        )
+
+    # -- step start ------------------------------------------------------------
+
+    def before_step(
+        self,
+        eligible: Callable[[str], bool],
+        can_start: Callable[[str], bool],
+        keep: Collection[str] = (),
+    ) -> None:
+        """Lifts, yields slots and orders the waiting queue for this step.
+        ``eligible(user)``: whether a backlogged user counts as eligible (for
+        the lift and the gap); ``can_start(user)``: whether a waiting request
+        of the user can start now; ``keep``: running request ids that never
+        yield here."""
+        book = self.book
+        ledger = self.ledger
+        backlogged = {user for user in book.live if eligible(user)}
+        entering = backlogged - self.backlogged
+        if entering:
+            ledger.lift(entering, backlogged)
+        self.backlogged = backlogged
+        ledger.backlogged = frozenset(backlogged)
+        upstream = self.upstream
+        if upstream.waiting_count() == 0:
+            return
+        user_of = book.user_of
+        waiting = [
+            r
+            for r in upstream.waiting
+            if r.status in STARTABLE
+            and can_start(user_of.get(r.request_id, ANONYMOUS_USER))
+        ]
+        if not waiting:
+            return
+        free = upstream.slots - upstream.held_slots()
+        if len(waiting) > free:
+            free += self._yield_slots(waiting, free, keep)
+        if free > 0:
+            self._order_waiting()
+
+    def _weight(self, user: str) -> float:
+        return self.ledger.weights.of(user, self.tier_of(user))
+
+    def _yield_slots(
+        self, waiting: list[Request], free: int, keep: Collection[str]
+    ) -> int:
+        """Preempts running requests for waiting ones under rules 1-3 of the
+        module docstring; returns how many yielded."""
+        ledger = self.ledger
+        counter = ledger.counter
+        hysteresis = ledger.settings.hysteresis
+        min_run = ledger.settings.min_run_tokens
+        user_of = self.book.user_of
+        upstream = self.upstream
+        held: dict[str, int] = {}
+        candidates: dict[str, list[Request]] = {}
+        for request in upstream.running:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            held[user] = held.get(user, 0) + 1
+            request_id = request.request_id
+            floor = self.run_floor.get(request_id, min_run)
+            if (
+                request.num_output_tokens >= floor
+                and request_id not in keep
+                and upstream.blocks_can_be_freed(request)
+            ):
+                candidates.setdefault(user, []).append(request)
+        if not candidates:
+            return 0
+        for requests in candidates.values():
+            requests.sort(key=lambda r: -r.num_computed_tokens)  # pop(): fewest
+        weights = {user: self._weight(user) for user in held}
+        receivers = sorted(
+            waiting,
+            key=lambda r: counter.get(user_of.get(r.request_id, ANONYMOUS_USER), 0.0),
+        )
+        yielded = 0
+        for request in receivers[free:]:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            mine = counter.get(user, 0.0)
+            weight = weights.get(user) or self._weight(user)
+            per_weight = held.get(user, 0) / weight
+            victim_user = max(
+                (
+                    v
+                    for v, reqs in candidates.items()
+                    if reqs
+                    and v != user
+                    and counter.get(v, 0.0) - mine > hysteresis
+                    and held[v] / weights[v] > per_weight
+                ),
+                key=lambda v: counter.get(v, 0.0),
+                default=None,
+            )
+            if victim_user is None:
+                continue
+            victim = candidates[victim_user].pop()
+            upstream.preempt(victim)
+            held[victim_user] -= 1
+            held[user] = held.get(user, 0) + 1
+            self.accounting.record(victim_user, "fair_share_preemptions")
+            yielded += 1
+        return yielded
+
+    def _order_waiting(self) -> None:
+        """Sorts the waiting queue by projected counters (VTC's admission)."""
+        upstream = self.upstream
+        ledger = self.ledger
+        user_of = self.book.user_of
+        queues: dict[str, list[Request]] = {}
+        for request in upstream.waiting:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            queues.setdefault(user, []).append(request)
+        if len(queues) < 2:
+            return
+        projected = {user: ledger.of(user) for user in queues}
+        weights = {user: self._weight(user) for user in queues}
+        heads = dict.fromkeys(queues, 0)
+        order: list[Request] = []
+        while heads:
+            user = min(heads, key=projected.__getitem__)
+            index = heads[user]
+            request = queues[user][index]
+            order.append(request)
+            prompt_left = max(
+                0, request.num_prompt_tokens - request.num_computed_tokens
+            )
+            projected[user] += ledger.cost(prompt_left, 0, weights[user])
+            if index + 1 < len(queues[user]):
+                heads[user] = index + 1
+            else:
+                del heads[user]
+        upstream.reorder_waiting(order)
+
+    # -- step end --------------------------------------------------------------
+
+    def charge_service(
+        self, scheduled: Mapping[str, int], requests: Mapping[str, Request]
+    ) -> None:
+        """Charges the positions each scheduled request computed for the first
+        time (upstream has advanced ``num_computed_tokens`` past them)."""
+        high_water = self.high_water
+        user_of = self.book.user_of
+        tokens: dict[str, list[int]] = {}
+        for request_id, count in scheduled.items():
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            end = request.num_computed_tokens
+            start = max(end - count, high_water.get(request_id, 0))
+            if end <= start:
+                continue
+            high_water[request_id] = end
+            prompt_end = request.num_prompt_tokens
+            prompt = max(0, min(end, prompt_end) - start)
+            output = end - max(start, prompt_end - 1)
+            user = user_of.get(request_id, ANONYMOUS_USER)
+            counts = tokens.get(user)
+            if counts is None:
+                tokens[user] = [prompt, max(0, output)]
+            else:
+                counts[0] += prompt
+                counts[1] += max(0, output)
+        ledger = self.ledger
+        record = self.accounting.record
+        for user, (prompt, output) in tokens.items():
+            units = ledger.cost(prompt, output, self._weight(user))
+            ledger.charge(user, units)
+            record(user, "fair_share_service", units)
+
+    def cleanup(self) -> None:
+        """Drops idle users' counters that the lift would replace anyway."""
+        self.ledger.cleanup(self.backlogged)
