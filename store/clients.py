@@ -49,7 +49,7 @@ class LazyCluster:
                 self._client.close()
 
 
-Client = redis.Redis | LazyCluster
+Client = redis.Redis | RedisCluster | LazyCluster
 
 
 def connect(

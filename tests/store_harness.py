@@ -1,22 +1,27 @@
 """Fixtures for the store's tests: the same tests run on ``fakeredis`` and on a
 real ``redis-server`` (started once per session on a free loopback port, no
-persistence, stopped at the end)."""
+persistence, stopped at the end), and with ``client_or_cluster`` on a real
+three-master Redis Cluster as well (started once per session)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import fakeredis
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
 from pacing.claims import ClaimedBalances
 from store.claimer import Claimer
-from store.clients import connect
+from store.clients import LazyCluster, connect
 from tools.counting_store import CountingStore
+from tools.redis_cluster import redis_cluster
 from tools.redis_server import redis_server
 
 BACKENDS = ("fakeredis", "redis-server")
+CLUSTER = "redis-cluster"
 
 
 @pytest.fixture(scope="session")
@@ -28,11 +33,42 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture(params=BACKENDS)
 def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
     """An empty database on each backend."""
-    if request.param == "fakeredis":
+    with _empty(request, request.param) as empty:
+        assert isinstance(empty, redis.Redis)
+        yield empty
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    with redis_cluster(masters=3) as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(params=(*BACKENDS, CLUSTER))
+def client_or_cluster(
+    request: pytest.FixtureRequest,
+) -> Iterator[redis.Redis | RedisCluster]:
+    """``client``'s backends and an empty real cluster."""
+    with _empty(request, request.param) as empty:
+        yield empty
+
+
+@contextmanager
+def _empty(
+    request: pytest.FixtureRequest, backend: str
+) -> Iterator[redis.Redis | RedisCluster]:
+    if backend == "fakeredis":
         yield fakeredis.FakeRedis(server=fakeredis.FakeServer())
         return
-    real = connect(request.getfixturevalue("redis_url"), timeout_s=5.0)
-    real.flushdb()
+    if backend == CLUSTER:
+        lazy = connect(request.getfixturevalue("redis_cluster_url"), timeout_s=5.0)
+        assert isinstance(lazy, LazyCluster)
+        real: redis.Redis | RedisCluster = lazy.get()
+    else:
+        single = connect(request.getfixturevalue("redis_url"), timeout_s=5.0)
+        assert isinstance(single, redis.Redis)
+        real = single
+    real.flushall()
     yield real
     real.close()
 

@@ -14,7 +14,8 @@ from store.limits_table import Limits, decode, encode
 from store.redis_store import RedisStore, StaleLimits
 from tests import store_harness
 
-client = store_harness.client
+client = store_harness.client_or_cluster
+redis_cluster_url = store_harness.redis_cluster_url
 redis_url = store_harness.redis_url
 
 
