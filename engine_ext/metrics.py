@@ -18,8 +18,9 @@ Two vLLM details shape this module:
   connector is configured when that field is non-empty, and crashes.
 
 The store's families (``vllm:output_rate_store_*``, with a global store only)
-carry an ``engine`` label, as vLLM's own per-engine metrics do: with data
-parallelism every rank is a store client of its own.
+and the fair-share gauges carry an ``engine`` label, as vLLM's own per-engine
+metrics do: with data parallelism every rank is a store client of its own and
+keeps a fair-share ledger of its own.
 
 With several API processes (``--api-server-count``) vLLM serves ``/metrics`` from
 prometheus_client's multiprocess files; the metric objects here write to those
@@ -39,6 +40,7 @@ from prometheus_client.metrics_core import Metric
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from engine_ext.payload_parser import (
+    FairSharePart,
     Payload,
     PayloadError,
     StorePart,
@@ -110,6 +112,12 @@ STORE_TOKENS_GRANTED = "vllm:output_rate_store_tokens_granted_total"
 STORE_TOKENS_RETURNED = "vllm:output_rate_store_tokens_returned_total"
 STORE_DEGRADED = "vllm:output_rate_store_degraded"
 STORE_LIVE_ENGINES = "vllm:output_rate_store_live_engines"
+FAIR_SHARE_SERVICE = "vllm:output_rate_fair_share_service_total"
+FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_fair_share_preemptions_total"
+TIER_FAIR_SHARE_SERVICE = "vllm:output_rate_tier_fair_share_service_total"
+TIER_FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_tier_fair_share_preemptions_total"
+FAIR_SHARE_ENABLED = "vllm:output_rate_fair_share_enabled"
+FAIR_SHARE_SERVICE_GAP = "vllm:output_rate_fair_share_service_gap"
 
 #: Payload counter field -> exported counter name.
 USER_COUNTERS = {
@@ -119,6 +127,8 @@ USER_COUNTERS = {
     "throttled_preemptions": THROTTLED_PREEMPTIONS,
     "shadow_skips": SHADOW_SKIPS,
     "engine_late_ns": ENGINE_LATE_SECONDS,
+    "fair_share_service": FAIR_SHARE_SERVICE,
+    "fair_share_preemptions": FAIR_SHARE_PREEMPTIONS,
 }
 #: Payload counter field -> exported per-tier counter name.
 TIER_COUNTERS = {
@@ -128,6 +138,8 @@ TIER_COUNTERS = {
     "throttled_preemptions": TIER_THROTTLED_PREEMPTIONS,
     "shadow_skips": TIER_SHADOW_SKIPS,
     "engine_late_ns": TIER_ENGINE_LATE_SECONDS,
+    "fair_share_service": TIER_FAIR_SHARE_SERVICE,
+    "fair_share_preemptions": TIER_FAIR_SHARE_PREEMPTIONS,
 }
 #: What one unit of a payload counter field is in its exported counter's unit
 #: (fields not listed: 1).
@@ -193,6 +205,20 @@ _DOCS = {
     "paces from what it holds, then locally), else 0.",
     STORE_LIVE_ENGINES: "Live engines (heartbeats) the global store last "
     "reported: the N of the local share R / N during an outage.",
+    FAIR_SHARE_SERVICE: "Weighted service a user received under fair share: "
+    "prompt tokens computed times the prompt price plus output tokens times the "
+    "output price, divided by the user's weight (units, not tokens).",
+    FAIR_SHARE_PREEMPTIONS: "Running requests of a user that yielded their slot "
+    "to a user below its fair share.",
+    TIER_FAIR_SHARE_SERVICE: "Weighted service the members of a tier received "
+    "under fair share, summed over them.",
+    TIER_FAIR_SHARE_PREEMPTIONS: "Fair-share preemptions of the members of a tier.",
+    FAIR_SHARE_ENABLED: "1 while weighted fair share orders the engine's "
+    "admissions, else 0.",
+    FAIR_SHARE_SERVICE_GAP: "Largest difference in weighted service between two "
+    "users backlogged (and within their limits) at the engine's last step; 0 "
+    "for fewer than two. Fair share bounds it; a gap that keeps growing means "
+    "a user is not getting its share.",
 }
 
 # Registry -> our collector on it, so a second logger in one process (vLLM
@@ -293,6 +319,8 @@ class OutputRateMetrics:
         }
         self._store_degraded = _gauge(STORE_DEGRADED, engine)
         self._store_live_engines = _gauge(STORE_LIVE_ENGINES, engine)
+        self._fair_share_enabled = _gauge(FAIR_SHARE_ENABLED, engine)
+        self._fair_share_gap = _gauge(FAIR_SHARE_SERVICE_GAP, engine)
         self._labelled: set[str] | None = None  # None until the first payload
         self._limit_values: dict[str, int] = {}
         self._labelled_tiers: set[str] = set()
@@ -316,6 +344,8 @@ class OutputRateMetrics:
                     *self._store_tokens.values(),
                     self._store_degraded,
                     self._store_live_engines,
+                    self._fair_share_enabled,
+                    self._fair_share_gap,
                 ]
             )
             previous = _collectors.get(registry)
@@ -362,6 +392,14 @@ class OutputRateMetrics:
         self._apply_tiers(payload)
         if payload.store is not None:
             self._apply_store(payload.store, str(engine))
+        if payload.fair_share is not None:
+            self._apply_fair_share(payload.fair_share, str(engine))
+
+    def _apply_fair_share(self, fair_share: FairSharePart, engine: str) -> None:
+        """Sets the engine's fair-share gauges."""
+        model = self._model
+        self._fair_share_enabled.labels(model, engine).set(int(fair_share.enabled))
+        self._fair_share_gap.labels(model, engine).set(fair_share.gap)
 
     def _apply_store(self, store: StorePart, engine: str) -> None:
         """Adds the store's deltas and sets its gauges. Each latency bucket is

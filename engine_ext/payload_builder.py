@@ -9,7 +9,8 @@ previous build, so the deltas of all payloads add up to the accounting's totals.
 
 Cost: one build is O(labelled users) without tiers; with tiers it also reads the
 counters of every user the accounting holds (those with live requests or recent
-events), once: O(users).
+events), once: O(users). The fair-share gap is O(users backlogged at the last
+step).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine_ext.stats_payload import (
     FailureLog,
 )
 from pacing.accounting import Accounting, UserCounters
+from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.settings import DEFAULT_MAX_LABELLED_USERS
@@ -106,7 +108,7 @@ class PayloadBuilder:
         self._last_total = UserCounters()
         #: user -> (its counters object, their values) at the previous build,
         #: for every user the accounting held; None while no tier exists.
-        self._tier_seen: dict[str, tuple[UserCounters, tuple[int, ...]]] | None = None
+        self._tier_seen: dict[str, tuple[UserCounters, tuple[float, ...]]] | None = None
         self._last_control = ControlPlaneSnapshot()
         self._idle_waits: list[float] = []
         #: The store stats reported last and a copy of their values then.
@@ -141,13 +143,15 @@ class PayloadBuilder:
         mode: Mode = Mode.ENFORCE,
         limiter: OutputRateLimiter | None = None,
         store: StoreStats | None = None,
+        fair_share: FairShare | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
         labelled users' limits, the given gauges and ``mode``, with
         ``limiter`` (whose table says the tiers and their members) the tiers'
-        limits and counter deltas, and with ``store`` (read under the lock its
-        recorder holds) the store's part.
+        limits and counter deltas, with ``store`` (read under the lock its
+        recorder holds) the store's part, and with ``fair_share`` (read under
+        the shared limiter's lock) its switch and service gap.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
@@ -157,7 +161,7 @@ class PayloadBuilder:
         first = not self._built_once
         self._built_once = True
 
-        users: dict[str, dict[str, int]] = {}
+        users: dict[str, dict[str, float]] = {}
         labelled_sum = UserCounters()
         for user in self._users.names:
             now = accounting.of(user)
@@ -213,6 +217,9 @@ class PayloadBuilder:
             "tiers": tiers,
             "tier_counters": tier_counters,
             "store": None if store is None else self._store_part(store),
+            "fair_share": None
+            if fair_share is None
+            else {"enabled": int(fair_share.enabled), "gap": fair_share.gap()},
         }
 
     def _store_part(self, store: StoreStats) -> dict[str, Any]:
@@ -248,7 +255,7 @@ class PayloadBuilder:
 
     def _tier_part(
         self, accounting: Accounting, limiter: OutputRateLimiter | None, first: bool
-    ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
         """The labelled tiers' limits (0: exempt) and every tier label's counter
         deltas: each user's events since the previous build go to the tier it
         is a member of now."""
@@ -268,12 +275,12 @@ class PayloadBuilder:
         previous = self._tier_seen or {}
         memberships = limiter.memberships
         labelled = self._tiers.names
-        seen: dict[str, tuple[UserCounters, tuple[int, ...]]] = {}
+        seen: dict[str, tuple[UserCounters, tuple[float, ...]]] = {}
         # label -> the counter values of its members now, and at the last build
-        nows: dict[str, list[tuple[int, ...]]] = {}
-        thens: dict[str, list[tuple[int, ...]]] = {}
+        nows: dict[str, list[tuple[float, ...]]] = {}
+        thens: dict[str, list[tuple[float, ...]]] = {}
         for user, counters in accounting.by_user().items():
-            values: tuple[int, ...] = _counter_values(counters)
+            values: tuple[float, ...] = _counter_values(counters)
             seen[user] = (counters, values)
             before = previous.get(user)
             if before is None:
@@ -293,11 +300,13 @@ class PayloadBuilder:
             nows.setdefault(label, []).append(values)
             thens.setdefault(label, []).append(base)
         self._tier_seen = seen
-        counters_by_tier: dict[str, dict[str, int]] = {}
+        counters_by_tier: dict[str, dict[str, float]] = {}
         for label, values_now in nows.items():
             # Column sums in C rather than a Python loop per user and field.
             columns_now = zip(*values_now, strict=True)
             columns_then = zip(*thens[label], strict=True)
+            # Never negative, floats too: each member's values are at least
+            # its base, and rounded sums are monotone.
             row = {
                 name: sum(now) - sum(then)
                 for name, now, then in zip(
@@ -343,7 +352,7 @@ def _delta(now: UserCounters, before: UserCounters) -> UserCounters:
     return delta
 
 
-def _nonzero(counters: UserCounters) -> dict[str, int]:
+def _nonzero(counters: UserCounters) -> dict[str, float]:
     return {
         name: value
         for name in COUNTER_FIELDS

@@ -6,17 +6,20 @@ Invariant: ``parse`` accepts every payload ``engine_ext.payload_builder`` builds
 (after a msgpack round trip) and raises ``PayloadError``, naming the first
 offending field, on a malformed one. A counter row's label is one the same
 payload declares (a labelled user or tier) or the catch-all (``OTHER_USER``,
-``OTHER_TIER``), and its counter names are ``COUNTER_FIELDS``.
+``OTHER_TIER``), its counter names are ``COUNTER_FIELDS``, and its values are
+non-negative: whole numbers, finite numbers for ``FLOAT_COUNTER_FIELDS``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
+    FLOAT_COUNTER_FIELDS,
     GRPC_CODES,
     OTHER_TIER,
     OTHER_USER,
@@ -45,7 +48,7 @@ class Payload:
     """One parsed payload: deltas since the previous one, and current gauges."""
 
     #: label -> {counter field -> delta}; only non-zero deltas.
-    users: Mapping[str, Mapping[str, int]]
+    users: Mapping[str, Mapping[str, float]]
     #: label -> tokens/s of every labelled user (the complete labelled set).
     limits: Mapping[str, int]
     default_limit: int | None
@@ -60,9 +63,21 @@ class Payload:
     #: labelled set); 0 for an exempt tier (unlimited).
     tiers: Mapping[str, int]
     #: tier label -> {counter field -> delta}; only non-zero deltas.
-    tier_counters: Mapping[str, Mapping[str, int]]
+    tier_counters: Mapping[str, Mapping[str, float]]
     #: The store's part; ``None`` without a store.
     store: StorePart | None
+    #: This engine's fair share; ``None`` when the engine sent none.
+    fair_share: FairSharePart | None
+
+
+@dataclass(frozen=True)
+class FairSharePart:
+    """A payload's fair share: gauges of the engine that sent it."""
+
+    enabled: bool
+    #: The largest weighted-service difference among the users backlogged at
+    #: the engine's last step (``pacing.fair_share.FairShare.gap``).
+    gap: float
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,10 @@ def parse(raw: object) -> Payload:
         raise PayloadError("store must be an object or null")
     store_raw = raw["store"]
     store = None if store_raw is None else _parse_store(store_raw)
+    if "fair_share" not in raw:
+        raise PayloadError("fair_share must be an object or null")
+    fair_raw = raw["fair_share"]
+    fair_share = None if fair_raw is None else _parse_fair_share(fair_raw)
     return Payload(
         users=users,
         limits=limits,
@@ -159,6 +178,19 @@ def parse(raw: object) -> Payload:
         tiers=tiers,
         tier_counters=tier_counters,
         store=store,
+        fair_share=fair_share,
+    )
+
+
+def _parse_fair_share(raw: object) -> FairSharePart:
+    """Validates the fair-share part of a payload (``PayloadBuilder.build``)."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError("fair_share must be an object or null")
+    enabled = raw.get("enabled")
+    if enabled not in (0, 1) or isinstance(enabled, bool):
+        raise PayloadError(f"fair_share.enabled must be 0 or 1, got {enabled!r}")
+    return FairSharePart(
+        enabled=bool(enabled), gap=_number(raw.get("gap"), "fair_share.gap")
     )
 
 
@@ -220,25 +252,45 @@ def _int(value: object, name: str) -> int:
     return value
 
 
+def _number(value: object, name: str) -> float:
+    """A finite non-negative number (an integer or a float)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value < math.inf
+    ):
+        raise PayloadError(
+            f"{name} must be a finite non-negative number, got {value!r}"
+        )
+    return value
+
+
 def _counter_rows(
     value: object, name: str, labels: set[str], other: str
-) -> dict[str, dict[str, int]]:
+) -> dict[str, dict[str, float]]:
     """``value`` as label -> {counter field -> delta}, every label in ``labels``."""
     if not isinstance(value, Mapping):
         raise PayloadError(f"{name} must be an object")
-    rows: dict[str, dict[str, int]] = {}
+    rows: dict[str, dict[str, float]] = {}
     for label, row in value.items():
+        where = f"{name}[{label!r}]"
         if label not in labels:
             raise PayloadError(
                 f"{name} has label {label!r} that is neither labelled nor {other}"
             )
-        counters = _str_int_map(row, f"{name}[{label!r}]")
-        unknown = set(counters) - set(COUNTER_FIELDS)
+        if not isinstance(row, Mapping):
+            raise PayloadError(f"{where} must be an object")
+        unknown = set(row) - set(COUNTER_FIELDS)
         if unknown:
             raise PayloadError(
-                f"{name}[{label!r}] has unknown counters {sorted(unknown)}"
+                f"{where} has unknown counters {sorted(map(str, unknown))}"
             )
-        rows[label] = counters
+        rows[label] = {
+            field: _number(delta, f"{where}[{field!r}]")
+            if field in FLOAT_COUNTER_FIELDS
+            else _int(delta, f"{where}[{field!r}]")
+            for field, delta in row.items()
+        }
     return rows
 
 

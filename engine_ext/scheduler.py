@@ -360,6 +360,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         mode=self.output_rate_shared.mode,
                         limiter=self.limiter,
                         store=self.output_rate_shared.store_stats,
+                        fair_share=self.output_rate_shared.fair_share,
                     )
                 payload_builder.attach(stats, payload)
             except Exception:

@@ -40,6 +40,12 @@ tokens claimed, granted and returned as deltas, and the degraded flag and live
 engines as gauges. Without a store the entry is ``None`` and no store series
 exist.
 
+Fair share: with the ledger passed (``pacing.fair_share``), the payload carries
+whether fair share is on and the service gap among the users backlogged at the
+last step, both gauges of this engine (fair share is per engine). Weighted
+service is a per-user counter like the others, but a float
+(``FLOAT_COUNTER_FIELDS``): service units are fractions when weights are.
+
 Encoding: the payload holds plain data only (dicts, lists, str, int, float, None)
 and every string in it encodes as strict UTF-8, because vLLM's msgpack encoder
 raises on anything else and that would end its output thread. User ids are
@@ -58,7 +64,7 @@ from pacing.accounting import UserCounters
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 3
+PAYLOAD_VERSION = 4
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
 #: The ``tier`` label value of every tier without a label of its own.
@@ -100,6 +106,10 @@ STORE_RESULTS = ("ok", "error")
 STORE_TOKENS = ("claimed", "granted", "returned")
 #: The per-user counters carried, in ``UserCounters`` field names.
 COUNTER_FIELDS = tuple(f.name for f in fields(UserCounters))
+#: The counters carried as floats (any other is a whole number).
+FLOAT_COUNTER_FIELDS = frozenset(
+    f.name for f in fields(UserCounters) if isinstance(f.default, float)
+)
 
 
 class FailureLog:

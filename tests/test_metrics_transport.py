@@ -36,6 +36,7 @@ from engine_ext.stats_payload import (
     PAYLOAD_KEY,
 )
 from pacing.accounting import Accounting
+from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.shared import ControlPlaneSnapshot
@@ -288,6 +289,61 @@ def test_engine_late_time_reaches_vllms_registry_in_seconds(
     assert sample(tier_late, tier="free") == pytest.approx(0.04)
 
 
+def test_fair_share_metrics_reach_vllms_registry_through_the_real_pipeline(
+    vllm_config: VllmConfig,
+) -> None:
+    """Weighted service (fractional units) and fair-share preemptions per user
+    and per tier; the switch and the gap as gauges of the engine that sent
+    them."""
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0, 1], registry=registry)
+    limiter = OutputRateLimiter(
+        100, {"alice": 50}, tier_rates={"pro": 200}, memberships={"bob": "pro"}
+    )
+    accounting = Accounting()
+    accounting.record("alice", "fair_share_service", 300.5)
+    accounting.record("bob", "fair_share_service", 12.25)
+    accounting.record("bob", "fair_share_preemptions", 3)
+    ledger = FairShare(enabled=True)
+    ledger.counter.update({"alice": 400.0, "bob": 1424.0})
+    ledger.backlogged = frozenset({"alice", "bob"})
+    builder = PayloadBuilder()
+
+    def step() -> None:
+        payload = builder.build(
+            accounting=accounting,
+            user_rates={"alice": 50},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=2,
+            limiter=limiter,
+            fair_share=ledger,
+        )
+        plugin.record(engine_step(payload), None, engine_idx=1)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": MODEL, **labels})
+
+    step()
+    assert value(metrics.FAIR_SHARE_SERVICE, user="alice") == 300.5
+    assert value(metrics.FAIR_SHARE_SERVICE, user=OTHER_USER) == 12.25
+    assert value(metrics.FAIR_SHARE_PREEMPTIONS, user=OTHER_USER) == 3
+    assert value(metrics.FAIR_SHARE_PREEMPTIONS, user="alice") == 0
+    assert value(metrics.TIER_FAIR_SHARE_SERVICE, tier="pro") == 12.25
+    assert value(metrics.TIER_FAIR_SHARE_PREEMPTIONS, tier="pro") == 3
+    assert value(metrics.FAIR_SHARE_ENABLED, engine="1") == 1
+    assert value(metrics.FAIR_SHARE_SERVICE_GAP, engine="1") == 1024.0
+    assert value(metrics.FAIR_SHARE_ENABLED, engine="0") is None
+
+    accounting.record("alice", "fair_share_service", 0.5)
+    ledger.enabled = False
+    ledger.backlogged = frozenset()
+    step()
+    assert value(metrics.FAIR_SHARE_SERVICE, user="alice") == 301.0
+    assert value(metrics.FAIR_SHARE_ENABLED, engine="1") == 0
+    assert value(metrics.FAIR_SHARE_SERVICE_GAP, engine="1") == 0
+
+
 def test_our_metrics_survive_vllm_rebuilding_its_prometheus_logger(
     manager: StatLoggerManager, vllm_config: VllmConfig
 ) -> None:
@@ -325,7 +381,7 @@ def test_a_malformed_payload_is_dropped_and_still_removed(
         plugin.record(engine_step({"v": 999}), None)
     assert stats.kv_connector_stats is None
     assert [r.message for r in caplog.records].count(
-        "dropping malformed output-rate stats: payload version 999 is not 3: "
+        "dropping malformed output-rate stats: payload version 999 is not 4: "
         "engine core and API process run different engine_ext versions"
     ) == 1
     assert b"output_rate" not in generate_latest(registry)
