@@ -17,81 +17,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
-from pacing.claims import ClaimedBalances
-from pacing.limiter import OutputRateLimiter
-from store.claimer import Claimer
 from store.clients import connect
 from tools.counting_store import CountingStore
 from tools.redis_server import redis_server
-
-
-class TimedLock:
-    """A lock that records how long each hold by the claimer thread lasted."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.claimer_holds: list[float] = []
-        self._since = 0.0
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        self._since = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if threading.current_thread().name == "output-rate-claimer":
-            self.claimer_holds.append(time.perf_counter() - self._since)
-        self._lock.release()
-
-
-class Engine:
-    """One simulated engine: balances, the claimer thread and a stepping loop."""
-
-    def __init__(
-        self, url: str, name: str, users: list[str], args: argparse.Namespace
-    ) -> None:
-        self.users = users
-        self.streams: int = args.streams
-        self.step_s: float = args.step_ms / 1000
-        self.lock = TimedLock()
-        self.balances = ClaimedBalances(OutputRateLimiter(args.rate, {}))
-        self.store = CountingStore(connect(url))
-        self.claimer = Claimer(
-            self.store, self.balances, self.lock, time.monotonic_ns, engine_id=name
-        )
-        self.steps = 0
-        self.step_seconds: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-steps")
-
-    def start(self) -> None:
-        self.claimer.start()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.claimer.stop()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.step_s):
-            started = time.perf_counter()
-            with self.lock:
-                now_ns = time.monotonic_ns()
-                for user in self.users:
-                    self.balances.take_up_to(user, self.streams, now_ns)
-                poke = self.balances.wants_claims
-            if poke:
-                self.claimer.poke()
-            self.steps += 1
-            self.step_seconds.append(time.perf_counter() - started)
+from tools.simulated_engine import SimulatedEngine
 
 
 def measure(url: str, users: int, args: argparse.Namespace) -> None:
     names = [f"user-{i:05}" for i in range(users)]
-    engines = [Engine(url, f"engine-{e}", names, args) for e in range(args.engines)]
+    engines = [
+        SimulatedEngine(
+            CountingStore(connect(url)),
+            f"engine-{e}",
+            names,
+            rate=args.rate,
+            streams=args.streams,
+            step_s=args.step_ms / 1000,
+        )
+        for e in range(args.engines)
+    ]
     for engine in engines:
         engine.start()
     time.sleep(args.warm_up)

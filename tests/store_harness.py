@@ -17,7 +17,7 @@ from pacing.claims import ClaimedBalances
 from store.claimer import Claimer
 from store.clients import LazyCluster, connect
 from tools.counting_store import CountingStore
-from tools.redis_cluster import redis_cluster
+from tools.redis_cluster import LocalCluster, redis_cluster
 from tools.redis_server import redis_server
 
 BACKENDS = ("fakeredis", "redis-server")
@@ -39,9 +39,9 @@ def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_url() -> Iterator[str]:
+def local_cluster() -> Iterator[LocalCluster]:
     with redis_cluster(masters=3) as cluster:
-        yield cluster.url
+        yield cluster
 
 
 @pytest.fixture(params=(*BACKENDS, CLUSTER))
@@ -61,7 +61,7 @@ def _empty(
         yield fakeredis.FakeRedis(server=fakeredis.FakeServer())
         return
     if backend == CLUSTER:
-        lazy = connect(request.getfixturevalue("redis_cluster_url"), timeout_s=5.0)
+        lazy = connect(request.getfixturevalue("local_cluster").url, timeout_s=5.0)
         assert isinstance(lazy, LazyCluster)
         real: redis.Redis | RedisCluster = lazy.get()
     else:

@@ -15,7 +15,7 @@ from store.redis_store import RedisStore, StaleLimits
 from tests import store_harness
 
 client = store_harness.client_or_cluster
-redis_cluster_url = store_harness.redis_cluster_url
+local_cluster = store_harness.local_cluster
 redis_url = store_harness.redis_url
 
 

@@ -33,7 +33,7 @@ from tests import store_harness
 
 # The fixtures, by name: every test that takes ``client`` runs on each backend.
 client = store_harness.client_or_cluster
-redis_cluster_url = store_harness.redis_cluster_url
+local_cluster = store_harness.local_cluster
 redis_url = store_harness.redis_url
 
 TAU_US = DEFAULT_BURST_NS // 1000
