@@ -219,7 +219,11 @@ class PayloadBuilder:
             "store": None if store is None else self._store_part(store),
             "fair_share": None
             if fair_share is None
-            else {"enabled": int(fair_share.enabled), "gap": fair_share.gap()},
+            else {
+                "enabled": int(fair_share.enabled),
+                # Off, nobody is charged: the last step's gap would be stale.
+                "gap": fair_share.gap() if fair_share.enabled else 0.0,
+            },
         }
 
     def _store_part(self, store: StoreStats) -> dict[str, Any]:

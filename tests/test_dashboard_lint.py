@@ -44,6 +44,8 @@ EXPORTED = {
     *metrics.STORE_TOKEN_COUNTERS.values(),
     metrics.STORE_DEGRADED,
     metrics.STORE_LIVE_ENGINES,
+    metrics.FAIR_SHARE_ENABLED,
+    metrics.FAIR_SHARE_SERVICE_GAP,
 }
 HISTOGRAMS = (metrics.IDLE_WAIT_SECONDS, metrics.STORE_ROUND_TRIP_SECONDS)
 #: A histogram's series -> the histogram.

@@ -56,8 +56,13 @@ def test_the_gauges_are_the_ledgers_switch_and_gap_among_the_backlogged():
     raw = build(PayloadBuilder(), Accounting(), {}, fair_share=fair_share)
     assert raw["fair_share"] == {"enabled": 1, "gap": 240.5}
     assert parse(raw).fair_share == FairSharePart(enabled=True, gap=240.5)
-    fair_share.enabled = False
     fair_share.backlogged = frozenset({"a"})
+    raw = build(PayloadBuilder(), Accounting(), {}, fair_share=fair_share)
+    assert parse(raw).fair_share == FairSharePart(enabled=True, gap=0.0)
+
+
+def test_switched_off_the_gap_is_zero_not_the_last_steps():
+    fair_share = ledger(False, {"a": 10.0, "b": 250.5}, {"a", "b"})
     raw = build(PayloadBuilder(), Accounting(), {}, fair_share=fair_share)
     assert parse(raw).fair_share == FairSharePart(enabled=False, gap=0.0)
 
