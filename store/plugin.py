@@ -13,8 +13,10 @@ from pacing.shared import SharedLimiter
 
 def register() -> None:
     """Registers the store's start in the engine-core process (each
-    data-parallel rank is a client of its own); safe to call more than once."""
+    data-parallel rank is a client of its own) and its start-up check in the
+    API-server process; safe to call more than once."""
     attachments.register(_attach)
+    attachments.register_preflight(_preflight)
 
 
 def _attach(
@@ -25,3 +27,11 @@ def _attach(
     from store.runtime import attach  # redis loads only where a store is used
 
     return attach(shared, settings.store)
+
+
+def _preflight(settings: OutputRateSettings) -> None:
+    if settings.store is None:
+        return
+    from store.preflight import check
+
+    check(settings.store)
