@@ -42,15 +42,9 @@ import asyncio
 import contextlib
 import json
 import os
-import random
-import re
 import signal
-import socket
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
@@ -61,7 +55,20 @@ from pacing.claims import DEFAULT_LEASE_NS, burst_tokens
 from pacing.limiter import DEFAULT_BURST_NS
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
-from tools.local_server import VllmServer, cpu_shares, start_server
+from tests.scaleout_fleet import (
+    FLOOR_SHARE,
+    Fleet,
+    addresses,
+    assert_complete,
+    degraded,
+    fleet_of,
+    limit_everywhere,
+    limit_seen,
+    run_all,
+    wait_for,
+)
+from tests.scaleout_fleet import assert_global_pace as assert_pace
+from tools.local_server import VllmServer
 from tools.measure import (
     StreamResult,
     UserRate,
@@ -74,7 +81,6 @@ from tools.server_counters import (
     ChargedReads,
     assert_at_least_the_limit,
     on_engines,
-    user_state,
 )
 
 pytestmark = pytest.mark.server
@@ -83,44 +89,6 @@ ENGINES = 3
 GLOBAL_USER = "global-user"
 LIMIT = 30  # tok/s, across all engines
 DEFAULT = 1000
-#: The window slack of the issue's bound: the store's 100 ms tolerance and up
-#: to one claim horizon (50 ms) held in engines' balances.
-SLACK_S = 0.15
-#: The issue's floor: at least 95 % of the limit across the engines.
-FLOOR_SHARE = 0.95
-
-
-def server_cpus(count: int) -> list[set[int]]:
-    """CPU sets for ``count`` servers: disjoint shares of the CPUs this process
-    may use where there are more CPUs than servers, else the last CPU for all
-    (see the module docstring)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) <= count:
-        return [{cpus[-1]} for _ in range(count)]
-    return cpu_shares(count)
-
-
-def control_address() -> str:
-    """A free loopback address for a control plane, on a port below Linux's
-    ephemeral range: the servers bind it minutes after it was picked, and a
-    port from that range can be handed to any outgoing connection meanwhile."""
-    low, _ = map(
-        int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-    )
-    while True:
-        port = random.randrange(max(1024, low - 10_000), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return f"127.0.0.1:{port}"
-
-
-@dataclass
-class Fleet:
-    store_url: str
-    servers: list[VllmServer]
 
 
 @pytest.fixture(scope="module")
@@ -128,89 +96,29 @@ def fleet(
     tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
     workdir = tmp_path_factory.mktemp("scaleout")
-    with redis_server() as url:
-        flags = [
-            "--default-user-output-tokens-per-second",
-            str(DEFAULT),
-            "--user-output-tokens-per-second",
-            json.dumps({GLOBAL_USER: LIMIT}),
-            "--output-rate-store",
-            url,
-        ]
-        addresses = [control_address() for _ in range(ENGINES)]
-        # vLLM must not bind the workers itself: confine places them.
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-        with ThreadPoolExecutor(ENGINES) as pool:
-            starting = [
-                pool.submit(
-                    start_server,
-                    tiny_model_dir,
-                    workdir / f"engine{i}.log",
-                    [*flags, "--output-rate-control-address", address],
-                    env=env,
-                )
-                for i, address in enumerate(addresses)
-            ]
-            servers = [future.result() for future in starting if not future.exception()]
-        try:
-            if len(servers) < ENGINES:
-                next(f for f in starting if f.exception()).result()
-            for server, address, cpus in zip(
-                servers, addresses, server_cpus(ENGINES), strict=True
-            ):
-                server.control_address = address
-                server.confine(cpus)
-                assert "output-rate store: claiming from" in server.log_path.read_text()
-            yield Fleet(url, servers)
-        finally:  # also those that started when another did not: none may leak
-            for server in servers:
-                server.stop()
-
-
-def _run(streams_by_server: list[tuple[VllmServer, list[tuple[str, int]]]]):
-    async def all_at_once() -> list[StreamResult]:
-        results = await asyncio.gather(
-            *(
-                run_streams(server.base_url, server.model, streams)
-                for server, streams in streams_by_server
-            )
-        )
-        return [result for per_server in results for result in per_server]
-
-    return asyncio.run(all_at_once())
-
-
-def addresses(servers: list[VllmServer]) -> list[str]:
-    return [server.control_address or "" for server in servers]
+    flags = [
+        "--default-user-output-tokens-per-second",
+        str(DEFAULT),
+        "--user-output-tokens-per-second",
+        json.dumps({GLOBAL_USER: LIMIT}),
+    ]
+    with (
+        redis_server() as url,
+        fleet_of(ENGINES, tiny_model_dir, workdir, url, flags) as started,
+    ):
+        yield started
 
 
 def assert_global_pace(
     rate: UserRate, counters: ChargedReads, total: int, limit: int
 ) -> None:
-    """The issue's bound over the window from sending (client clock), and its
-    floor on the engines' summed counters."""
-    ceiling = (rate.window_s + SLACK_S) * limit + 1
-    report = (
-        f"{rate.user}: {rate.tokens} tokens over {ENGINES} engines; first to last "
-        f"at the client {rate.span_s:.3f} s = {rate.tokens_per_s:.2f} tok/s; sent "
-        f"to last {rate.window_s:.3f} s (at most {ceiling:.1f} allowed); limit {limit}"
-    )
-    print(f"\n{report}")
-    assert rate.tokens <= ceiling, report
-    counters.assert_at_least_the_limit(rate.user or "", total, limit, FLOOR_SHARE)
-
-
-def assert_complete(results: list[StreamResult], tokens: int) -> None:
-    for result in results:
-        assert result.completion_tokens == tokens
-        assert len(result.token_times) == tokens
-        assert result.finish_reason == "length"
+    assert_pace(rate, counters, total, limit, ENGINES)
 
 
 def test_one_users_limit_holds_across_three_engines(fleet: Fleet) -> None:
     tokens = 50  # 2 streams on each of 3 engines: 300 tokens, 10 s at 30 tok/s
     with ChargedReads(on_engines(addresses(fleet.servers)), [GLOBAL_USER]) as counters:
-        results = _run(
+        results = run_all(
             [(server, [(GLOBAL_USER, tokens)] * 2) for server in fleet.servers]
         )
     assert_complete(results, tokens)
@@ -250,12 +158,6 @@ def test_a_user_moving_between_engines_keeps_its_rate(fleet: Fleet) -> None:
     assert_global_pace(rates_by_user(results)[GLOBAL_USER], counters, 6 * tokens, LIMIT)
 
 
-def _limit_seen(server: VllmServer, user: str) -> int | None:
-    """The limit ``server`` applies to ``user`` (None: it does not know it)."""
-    state = user_state(server.control_address or "", user)
-    return None if state is None else state.limit_tokens_per_second
-
-
 def test_a_limit_changed_on_one_engine_reaches_the_others_within_a_second(
     fleet: Fleet,
 ) -> None:
@@ -274,40 +176,13 @@ def test_a_limit_changed_on_one_engine_reaches_the_others_within_a_second(
     seen: dict[int, float] = {}
     while len(seen) < len(others) and time.monotonic() < sent + 5:
         for i, server in enumerate(others):
-            if i not in seen and _limit_seen(server, user) == new_limit:
+            if i not in seen and limit_seen(server, user) == new_limit:
                 seen[i] = time.monotonic() - sent
         time.sleep(0.01)
     print(f"\nseen on engines 2 and 3 after {sorted(seen.values())} s")
     assert len(seen) == len(others), f"not applied everywhere within 5 s: {seen}"
     # From before the RPC was sent: the window holds the change's whole way.
     assert max(seen.values()) <= 1.0
-
-
-def _degraded(server: VllmServer) -> float | None:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    found = re.search(r"^vllm:output_rate_store_degraded\{[^}]*\} (\S+)$", text, re.M)
-    return None if found is None else float(found.group(1))
-
-
-def _wait_for(predicate, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.1)
-
-
-def _limit_everywhere(servers: list[VllmServer], user: str, limit: int) -> None:
-    """Sets ``user``'s limit through the first server's control plane and waits
-    until every server applies it."""
-    with grpc.insecure_channel(servers[0].control_address or "") as channel:
-        pb_grpc.OutputRateControlStub(channel).UpdateLimit(
-            pb.UpdateLimitRequest(
-                limit=pb.Limit(name=f"limits/{user}", tokens_per_second=limit),
-                allow_missing=True,
-            )
-        )
-    for server in servers:
-        _wait_for(lambda s=server: _limit_seen(s, user) == limit, "limit applied")
 
 
 def test_a_stopped_store_degrades_to_local_shares_and_its_return_restores(
@@ -322,14 +197,14 @@ def test_a_stopped_store_degrades_to_local_shares_and_its_return_restores(
     share = LIMIT // ENGINES
     tokens = 40  # 2 streams per engine: 4 s at each engine's 10 tok/s share
     user = "degraded-user"  # never seen by any engine: nothing held
-    _limit_everywhere(fleet.servers, user, LIMIT)
+    limit_everywhere(fleet.servers, user, LIMIT)
     for server in fleet.servers:
-        assert _degraded(server) == 0
+        assert degraded(server) == 0
     os.kill(pid, signal.SIGSTOP)
     try:
         for server in fleet.servers:
-            _wait_for(lambda s=server: _degraded(s) == 1, "degraded gauge set")
-        results = _run([(server, [(user, tokens)] * 2) for server in fleet.servers])
+            wait_for(lambda s=server: degraded(s) == 1, "degraded gauge set")
+        results = run_all([(server, [(user, tokens)] * 2) for server in fleet.servers])
     finally:
         os.kill(pid, signal.SIGCONT)
     assert_complete(results, tokens)
@@ -343,10 +218,10 @@ def test_a_stopped_store_degrades_to_local_shares_and_its_return_restores(
         )
         assert rate.tokens <= ceiling
     for server in fleet.servers:
-        _wait_for(lambda s=server: _degraded(s) == 0, "degraded gauge cleared")
+        wait_for(lambda s=server: degraded(s) == 0, "degraded gauge cleared")
     # Back to one global limit, no burst beyond the bound.
     with ChargedReads(on_engines(addresses(fleet.servers)), [user]) as counters:
-        results = _run([(server, [(user, tokens)] * 2) for server in fleet.servers])
+        results = run_all([(server, [(user, tokens)] * 2) for server in fleet.servers])
     assert_complete(results, tokens)
     assert_global_pace(rates_by_user(results)[user], counters, 6 * tokens, LIMIT)
 
@@ -372,7 +247,7 @@ def test_a_killed_engine_strands_at_most_its_balance(fleet: Fleet) -> None:
     burst = burst_tokens(LIMIT, DEFAULT_BURST_NS)
     streams = 2
     most_held = max(burst // 2, streams - 1) + burst + streams
-    _limit_everywhere(fleet.servers, user, LIMIT)
+    limit_everywhere(fleet.servers, user, LIMIT)
 
     async def kill_midway() -> tuple[list[StreamResult], float]:
         async def kill() -> float:
