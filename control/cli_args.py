@@ -27,6 +27,7 @@ from control.user_states import (
     MIN_WATCH_INTERVAL_NS,
     MOST_THROTTLED_FIRST,
 )
+from pacing.fair_share import validate_weight
 from pacing.flag_names import DEFAULT_ADDRESS, TOKEN_ENV
 from pacing.identity import validate_user
 from pacing.limiter import MAX_RATE
@@ -87,6 +88,16 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+def _weight(raw: str) -> float:
+    """A fair-share weight: a number in (0, 1000000]."""
+    try:
+        return validate_weight(float(raw), field="the weight")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number above 0 and at most 1000000, got {_shown(raw)}"
+        ) from None
+
+
 def _user(raw: str) -> str:
     try:
         return validate_user(raw, field="the user id")
@@ -123,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="output-rate-ctl",
         description=(
-            "Read and change per-user output-token limits, tiers, exemptions and "
-            "the pacing mode of a vLLM engine."
+            "Read and change per-user output-token limits, tiers, exemptions, "
+            "fair-share weights, the pacing mode and fair share of a vLLM engine."
         ),
         epilog="Exit status: 0 ok, 1 request refused (status code on stderr), 2 usage.",
     )
@@ -217,6 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
         cli_commands.unexempt,
         "lift a user's exemption (its limit applies again)",
     ).add_argument("user", type=_user)
+    sub = command(
+        "set-weight",
+        cli_commands.set_weight,
+        "set one user's fair-share weight (creates its entry if missing)",
+    )
+    sub.add_argument("user", type=_user)
+    sub.add_argument("weight", type=_weight, help="(0, 1000000]; default weight 1")
+    command(
+        "unset-weight",
+        cli_commands.unset_weight,
+        "remove one user's own weight (its tier's, else 1, applies)",
+    ).add_argument("user", type=_user)
     command(
         "list-tiers", cli_commands.list_tiers, "list tiers with their member counts"
     )
@@ -237,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="members without a limit of their own are unlimited",
     )
+    sub.add_argument(
+        "--weight",
+        type=_weight,
+        metavar="W",
+        help="fair-share weight of members without one of their own",
+    )
     sub = command(
         "update-tier",
         cli_commands.update_tier,
@@ -254,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     exemption.add_argument("--exempt", action="store_const", const=True)
     exemption.add_argument(
         "--no-exempt", dest="exempt", action="store_const", const=False
+    )
+    weight = sub.add_mutually_exclusive_group()
+    weight.add_argument(
+        "--weight", type=_weight, metavar="W", help="fair-share weight of members"
+    )
+    weight.add_argument(
+        "--no-weight",
+        dest="weight",
+        action="store_const",
+        const=0.0,
+        help="remove the weight (members weigh 1)",
     )
     sub.add_argument(
         "--allow-missing", action="store_true", help="create the tier if there is none"
@@ -273,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
         cli_commands.set_mode,
         "switch the pacing mode now (enforce, shadow, off)",
     ).add_argument("mode", choices=[mode.value for mode in Mode])
+    command(
+        "set-fair-share",
+        cli_commands.set_fair_share,
+        "switch weighted fair share on or off now",
+    ).add_argument("switch", choices=["on", "off"])
     command("get-default", cli_commands.get_default, "show the default limit")
     command(
         "set-default", cli_commands.set_default, "set the default limit"

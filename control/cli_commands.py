@@ -95,7 +95,7 @@ def _entry_change(
         limit = _update_entry(
             client, args.user, field, value(args), allow_missing=allow_missing
         )
-        if limit.tokens_per_second or limit.tier or limit.exempt:
+        if limit.tokens_per_second or limit.tier or limit.exempt or limit.weight:
             emit_limit(out, args, limit)
         elif args.json:
             print_json(out, {"deleted": args.user})
@@ -113,6 +113,8 @@ assign = _entry_change(
 unassign = _entry_change("tier", lambda _: "", allow_missing=False)
 exempt = _entry_change("exempt", lambda _: True, allow_missing=True)
 unexempt = _entry_change("exempt", lambda _: False, allow_missing=False)
+set_weight = _entry_change("weight", lambda args: args.weight, allow_missing=True)
+unset_weight = _entry_change("weight", lambda _: 0.0, allow_missing=False)
 
 
 def delete_entry(client: Client, args: argparse.Namespace, out: TextIO) -> int:
@@ -156,7 +158,11 @@ def create_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "CreateTier",
         _pb2.CreateTierRequest(
             tier_id=args.tier,
-            tier=_pb2.Tier(tokens_per_second=args.rate or 0, exempt=args.exempt),
+            tier=_pb2.Tier(
+                tokens_per_second=args.rate or 0,
+                exempt=args.exempt,
+                weight=args.weight or 0.0,
+            ),
         ),
     )
     emit_tier(out, args, tier)
@@ -172,8 +178,14 @@ def update_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.exempt is not None:
         request.tier.exempt = args.exempt
         request.update_mask.paths.append("exempt")
+    if args.weight is not None:  # --weight W, or --no-weight (0)
+        request.tier.weight = args.weight
+        request.update_mask.paths.append("weight")
     if not request.update_mask.paths:
-        raise UsageError("update-tier needs --rate, --no-rate, --exempt or --no-exempt")
+        raise UsageError(
+            "update-tier needs --rate, --no-rate, --exempt, --no-exempt, "
+            "--weight or --no-weight"
+        )
     updated = client.call("UpdateTier", request)
     if updated.tokens_per_second or updated.exempt:
         emit_tier(out, args, updated)
@@ -212,6 +224,16 @@ def set_mode(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     request = _pb2.UpdatePacingModeRequest(
         pacing_mode=_pb2.PacingMode(mode=args.mode.upper())
     )
+    request.update_mask.paths.append("mode")
+    emit_mode(out, args, client.call("UpdatePacingMode", request))
+    return EXIT_OK
+
+
+def set_fair_share(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    request = _pb2.UpdatePacingModeRequest(
+        pacing_mode=_pb2.PacingMode(fair_share=args.switch == "on")
+    )
+    request.update_mask.paths.append("fair_share")
     emit_mode(out, args, client.call("UpdatePacingMode", request))
     return EXIT_OK
 

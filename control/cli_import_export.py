@@ -43,6 +43,8 @@ def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         exempt_tiers=frozenset(t["tier"] for t in tiers if t["exempt"]),
         memberships={e["user"]: e["tier"] for e in entries if e["tier"] is not None},
         exempt_users=frozenset(e["user"] for e in entries if e["exempt"]),
+        user_weights={e["user"]: e["weight"] for e in entries if e["weight"]},
+        tier_weights={t["tier"]: t["weight"] for t in tiers if t["weight"]},
     )
     if args.file in (None, "-"):
         out.write(dumps(doc, "json"))
@@ -97,6 +99,7 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
                             else ""
                         ),
                         exempt=user in doc.exempt_users,
+                        weight=doc.user_weights.get(user, 0.0),
                     )
                     for user in sorted(doc.users())
                 ],
@@ -105,6 +108,7 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
                         name=names.tier_name(tier),
                         tokens_per_second=doc.tier_rates.get(tier, 0),
                         exempt=tier in doc.exempt_tiers,
+                        weight=doc.tier_weights.get(tier, 0.0),
                     )
                     for tier in sorted(doc.tiers)
                 ],
@@ -116,6 +120,11 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         print_error(
             f"note: {source} names mode {doc.mode}, which import leaves as it "
             "is; use set-mode to change it"
+        )
+    if doc.fair_share is not None:  # nor is the fair-share switch
+        print_error(
+            f"note: {source} names fair_share, which import leaves as it is; "
+            "use set-fair-share to change it"
         )
     entries, tiers = len(table.limits), len(table.tiers)
     if args.json:

@@ -41,6 +41,13 @@ _STORE_COLUMNS = (
     ("READ_AGO", "store_global_tat_read_age_s"),
     ("STORE", "store_health"),
 )
+#: Added to the states' table when fair share is on.
+_FAIR_SHARE_COLUMNS = (
+    ("WEIGHT", "weight"),
+    ("SERVICE", "fair_share_service"),
+    ("AHEAD", "fair_share_lead"),
+    ("FS_PREEMPT", "fair_share_preemptions"),
+)
 #: The keys of ``_store_dict`` (``store_`` and one of them name a store column).
 _STORE_KEYS = ("held_tokens", "global_tat_lead_s", "global_tat_read_age_s", "health")
 LIMIT_COLUMNS = (
@@ -48,11 +55,13 @@ LIMIT_COLUMNS = (
     ("TOKENS/S", "tokens_per_second"),
     ("TIER", "tier"),
     ("EXEMPT", "exempt"),
+    ("WEIGHT", "weight"),
 )
 TIER_COLUMNS = (
     ("TIER", "tier"),
     ("TOKENS/S", "tokens_per_second"),
     ("EXEMPT", "exempt"),
+    ("WEIGHT", "weight"),
     ("MEMBERS", "member_count"),
 )
 
@@ -66,6 +75,7 @@ def limit_dict(limit: _pb2.Limit) -> dict[str, Any]:
         "tokens_per_second": limit.tokens_per_second or None,
         "tier": names.tier_id(limit.tier) or None,
         "exempt": limit.exempt,
+        "weight": limit.weight or None,
     }
 
 
@@ -74,6 +84,7 @@ def tier_dict(tier: _pb2.Tier) -> dict[str, Any]:
         "tier": names.tier_id(tier.name),
         "tokens_per_second": tier.tokens_per_second or None,
         "exempt": tier.exempt,
+        "weight": tier.weight or None,
         "member_count": tier.member_count,
     }
 
@@ -101,6 +112,14 @@ def state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "pacing_mode": _pb2.PacingMode.Mode.Name(state.pacing_mode).lower(),
         "engine_late_s": state.engine_late.ToNanoseconds() / 1e9,
         "store": _store_dict(state.store) if state.HasField("store") else None,
+        "fair_share": state.fair_share,
+        "weight": state.weight,
+        "fair_share_service": state.fair_share_service,
+        "fair_share_preemptions": state.fair_share_preemptions,
+        # None: not backlogged at the last step (not in the gap).
+        "fair_share_lead": state.fair_share_lead
+        if state.fair_share_backlogged
+        else None,
     }
 
 
@@ -144,9 +163,10 @@ def emit_tier(out: TextIO, args: argparse.Namespace, tier: _pb2.Tier) -> None:
 
 def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> None:
     if args.json:
-        print_json(out, {"pacing_mode": mode_name(mode)})
+        print_json(out, {"pacing_mode": mode_name(mode), "fair_share": mode.fair_share})
     else:
         print(f"pacing mode: {mode_name(mode)}", file=out)
+        print(f"fair share: {'on' if mode.fair_share else 'off'}", file=out)
 
 
 def emit_default(
@@ -159,14 +179,17 @@ def emit_default(
 
 
 def print_states(out: TextIO, mode: str, states: list[dict[str, Any]]) -> None:
-    """States (``state_dict``) as a table under a line with the pacing mode; with
-    the store's columns when any state has a store view."""
-    print(f"pacing mode: {mode}", file=out)
+    """States (``state_dict``) as a table under a line with the pacing mode;
+    with the fair-share columns when fair share is on, and the store's when
+    any state has a store view."""
+    fair_share = any(state["fair_share"] for state in states)
+    print(f"pacing mode: {mode}{', fair share on' if fair_share else ''}", file=out)
+    columns = _STATE_COLUMNS + (_FAIR_SHARE_COLUMNS if fair_share else ())
     if any(state["store"] for state in states):
         rows = [_with_store_columns(state) for state in states]
-        print_table(out, rows, _STATE_COLUMNS + _STORE_COLUMNS)
+        print_table(out, rows, columns + _STORE_COLUMNS)
     else:
-        print_table(out, states, _STATE_COLUMNS)
+        print_table(out, states, columns)
 
 
 def _with_store_columns(state: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,16 @@ new table and mode (``persist``), apply the change to the limiter (or the mode
 to the shared limiter) and bump the etag under the shared limiter's lock, then
 ``wake()`` the engine. A failed write applies nothing.
 
+The table's fair-share weights and the fair-share switch (``SharePolicy``) are
+part of every document and apply to the shared limiter's ledger with the rest;
+a document that switches fair share on where the engine refuses it
+(``FairShare.refusal``) is refused before anything is written
+(FAILED_PRECONDITION).
+
 The change lock is the engine's ``pacing.global_limits`` hub lock. With a
 global store (``--output-rate-store``) the store takes the file's place: the
-whole new table and mode are published through the hub's backend
+whole new table, mode and fair-share policy are published through the hub's
+backend
 (compare-and-set against the version this engine holds) before they are
 applied here. Another engine's change that came first answers ABORTED (this
 engine has applied it: read again and retry); a store that does not answer, or
@@ -30,10 +37,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
-from control.errors import Aborted, Unavailable
+from control.errors import Aborted, FailedPrecondition, Unavailable
 from control.resources import Etags
-from control.table import TableDocument
+from control.table import FAIR_SHARE_KEY, TableDocument
 from pacing import global_limits
+from pacing.fair_share_policy import apply_policy
 from pacing.limiter import OutputRateLimiter
 from pacing.shared import SharedLimiter
 
@@ -85,9 +93,10 @@ class TableCommits:
             return self.current_locked()
 
     def current_locked(self) -> TableDocument:
-        """The table and mode in force, as a document of copies (default None
-        while pacing is off). Requires shared.lock."""
+        """The table, mode and fair-share policy in force, as a document of
+        copies (default None while pacing is off). Requires shared.lock."""
         limiter = self.shared.limiter
+        ledger = self.shared.fair_share
         return TableDocument(
             default_rate=limiter.default_rate,
             user_rates=limiter.user_rates,
@@ -96,6 +105,9 @@ class TableCommits:
             memberships=limiter.memberships,
             exempt_users=limiter.exempt_users,
             mode=self.shared.mode,
+            user_weights=dict(ledger.weights.users),
+            tier_weights=dict(ledger.weights.tiers),
+            fair_share=ledger.enabled,
         )
 
     def commit(
@@ -103,6 +115,7 @@ class TableCommits:
     ) -> str:
         """Persists ``doc`` (the whole new table and mode), applies it and
         announces it; returns the table's etag. Requires self.changes."""
+        self.check_fair_share(doc, field=f"pacing_mode.{FAIR_SHARE_KEY}")
         backend = self._hub.backend
         if backend is not None or self._global_store:
             self._publish(backend, doc)
@@ -117,16 +130,25 @@ class TableCommits:
         self.shared.wake()
         return etag
 
+    def check_fair_share(self, doc: TableDocument, *, field: str) -> None:
+        """FailedPrecondition naming ``field`` when ``doc`` switches fair share
+        on and the engine cannot run it."""
+        refusal = self.shared.fair_share.refusal
+        if doc.fair_share and refusal is not None:
+            raise FailedPrecondition(f"{field}: fair share cannot run here: {refusal}")
+
     def apply(self, doc: TableDocument, apply: Apply | None, *, table: bool) -> str:
-        """Runs ``apply`` on the limiter, makes ``doc.mode`` the mode and, for a
-        change of the table, bumps the etag; returns it. Requires
-        self.changes."""
+        """Runs ``apply`` on the limiter, makes ``doc.mode`` the mode and its
+        weights and switch (when given) the ledger's and, for a change of the
+        table, bumps the etag; returns it. Requires self.changes."""
         shared = self.shared
+        policy = doc.share_policy(shared.fair_share.enabled)
         with shared.lock:
             if apply is not None:
                 apply(shared.limiter, shared.clock())
             if doc.mode is not None:
                 shared.mode = doc.mode
+            apply_policy(shared.fair_share, policy)
             if table:
                 self._generation += 1
             return self.etag()
@@ -142,7 +164,12 @@ class TableCommits:
             )
         assert doc.mode is not None  # current() always reads the mode
         try:
-            backend.publish(doc.default_rate, doc.limit_table(), doc.mode)
+            backend.publish(
+                doc.default_rate,
+                doc.limit_table(),
+                doc.mode,
+                doc.share_policy(self.shared.fair_share.enabled),
+            )
         except global_limits.LimitsConflict:
             raise Aborted(
                 "the limits table was changed through another engine since this "

@@ -2,14 +2,19 @@
 start, rewritten atomically after every accepted change, watched for edits.
 
 Format: see ``control.table`` (JSON for ``*.json``, YAML for ``*.yaml``/``*.yml``):
-the pacing mode, the default, tiers, user limits, memberships and exemptions.
+the pacing mode, the fair-share switch, the default, tiers, user limits,
+memberships, exemptions and fair-share weights.
 
 Rules:
 
 - At start the table is the flags' table overlaid by the file: the file's
   default wins over ``--default-user-output-tokens-per-second``, its mode over
-  ``--output-rate-mode``, and the file's limit wins for a user both name; tiers,
-  memberships and exemptions come from the file alone (no flag sets them). A
+  ``--output-rate-mode``, its ``fair_share`` over ``--output-rate-fair-share``,
+  the file's limit wins for a user both name and the file's weight for a user
+  or tier both name (``--output-rate-weights``); tiers, memberships and
+  exemptions are added from the file (the flags' ``additional_config`` may
+  hold some too). A file that switches fair share on where the engine cannot
+  run it stops the start-up as a bad file does. A
   missing file is created from the flags; a file that does not parse or
   validate stops the start-up with an error naming the field (running on the
   flags alone could silently loosen limits).
@@ -20,7 +25,8 @@ Rules:
   the write fails it is logged and the change is not applied.
 - An edit of the file by anyone else is noticed within one poll interval
   (content hash compared every poll) and applied as ``flags overlaid by file``,
-  the mode included (an edit that removes the mode brings back the flags').
+  the mode and the switch included (an edit that removes either brings back
+  the flags').
   An edit that does not parse or validate is logged, counted in ``failures``,
   and ignored: the last good table stays in force until a good edit comes.
 - Limits survive a restart. TATs do not, on purpose: they are monotonic clock
@@ -42,7 +48,7 @@ import stat
 import threading
 from pathlib import Path
 
-from control.errors import InvalidArgument
+from control.errors import ControlError, InvalidArgument
 from control.service import LimitsService
 from control.table import TableDocument, dumps, format_of, loads
 from pacing.periodic import Periodic
@@ -59,8 +65,9 @@ _YAML_HEADER = (
 
 
 def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
-    """``flags`` overlaid by ``file``: the file's default, mode and user limits
-    win; its tiers, memberships and exemptions are added (the etag dropped)."""
+    """``flags`` overlaid by ``file``: the file's default, mode, switch, user
+    limits and weights win; its tiers, memberships and exemptions are added
+    (the etag dropped)."""
     return TableDocument(
         default_rate=(
             file.default_rate if file.default_rate is not None else flags.default_rate
@@ -71,6 +78,9 @@ def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
         memberships={**flags.memberships, **file.memberships},
         exempt_users=flags.exempt_users | file.exempt_users,
         mode=file.mode if file.mode is not None else flags.mode,
+        user_weights={**flags.user_weights, **file.user_weights},
+        tier_weights={**flags.tier_weights, **file.tier_weights},
+        fair_share=file.fair_share if file.fair_share is not None else flags.fair_share,
     )
 
 
@@ -204,6 +214,14 @@ class ConfigWatcher:
             if self.poll():
                 self._successes += 1
                 logger.info("applied an edit of %s", self._file.path)
+        except ControlError as exc:  # an edit this engine cannot apply
+            self._reject(f"{self._file.path}: {exc}")
+            logger.error(
+                "ignored an edit of the config file, keeping the last good table: "
+                "%s: %s",
+                self._file.path,
+                exc,
+            )
         except Exception:  # keep watching whatever one poll hit
             self._reject("unexpected error")
             logger.exception("checking %s failed", self._file.path)

@@ -3,8 +3,8 @@
 ``TierSpec``), their etags, and their views of a ``TableDocument``.
 
 A user's *entry* (``Limit``) is what the table holds for it: its own limit, its
-tier, its exemption, any of them; a *tier* exists while it has a rate or an
-exemption.
+tier, its exemption, its fair-share weight, any of them; a *tier* exists while
+it has a rate or an exemption (its weight alone does not make one).
 
 Invariant: the etag of an entry, a tier or the mode is a digest of its fields
 and this process's epoch only, so the same fields read twice in one process give
@@ -27,19 +27,24 @@ from pacing.limiter import LimitSource
 from pacing.modes import Mode
 from pacing.shared import UserSnapshot
 
-#: An entry's fields: own rate (None: none), tier (None: none), exempt.
-EntryFields = tuple[int | None, str | None, bool]
+#: An entry's fields: own rate (None: none), tier (None: none), exempt, own
+#: weight (None: none).
+EntryFields = tuple[int | None, str | None, bool, float | None]
+#: The fields of no entry.
+NO_ENTRY: EntryFields = (None, None, False, None)
 
 
 @dataclass(frozen=True)
 class Limit:
-    """One user's entry: own limit (0: none), tier, exemption."""
+    """One user's entry: own limit (0: none), tier, exemption, own weight (0:
+    none)."""
 
     user: str
     tokens_per_second: int
     tier: str | None = None
     exempt: bool = False
     etag: str = ""
+    weight: float = 0.0
 
     @property
     def name(self) -> str:
@@ -48,13 +53,14 @@ class Limit:
 
 @dataclass(frozen=True)
 class Tier:
-    """One tier: rate (0: none), exemption, member count."""
+    """One tier: rate (0: none), exemption, member count, weight (0: none)."""
 
     tier: str
     tokens_per_second: int
     exempt: bool
     member_count: int = 0
     etag: str = ""
+    weight: float = 0.0
 
     @property
     def name(self) -> str:
@@ -69,6 +75,7 @@ class LimitSpec(NamedTuple):
     tokens_per_second: int
     tier: str = ""
     exempt: bool = False
+    weight: float = 0.0
 
 
 class TierSpec(NamedTuple):
@@ -77,6 +84,7 @@ class TierSpec(NamedTuple):
     name: str
     tokens_per_second: int
     exempt: bool = False
+    weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,23 @@ class LimitsTable:
 
 @dataclass(frozen=True)
 class PacingMode:
-    """The pacing mode with its etag."""
+    """The pacing mode and the fair-share switch, with their etag."""
 
     mode: Mode
     etag: str
+    fair_share: bool = False
+
+
+@dataclass(frozen=True)
+class FairShareState:
+    """One user's standing under fair share, read with its limiter state."""
+
+    weight: float  #: the weight that applies (own, tier's, default)
+    service: float  #: cumulative weighted service
+    preemptions: int  #: requests that yielded their slot for fair share
+    enabled: bool  #: fair share was on
+    backlogged: bool  #: backlogged and eligible at the last step
+    lead: float  #: counter above the backlogged minimum (0: not backlogged)
 
 
 @dataclass(frozen=True)
@@ -108,6 +129,7 @@ class UserState:
     shadow_skips: int
     mode: Mode
     engine_late_ns: int
+    fair_share: FairShareState
     #: With a global store, the user's budget there as this engine sees it.
     store: StoreView | None = None
 
@@ -127,11 +149,13 @@ class Etags:
     def limit(self, user: str, entry: EntryFields | None) -> str:
         return "" if entry is None else self.digest("limit", user, *entry)
 
-    def tier(self, tier: str, rate: int | None, exempt: bool) -> str:
-        return self.digest("tier", tier, rate, exempt)
+    def tier(
+        self, tier: str, rate: int | None, exempt: bool, weight: float | None
+    ) -> str:
+        return self.digest("tier", tier, rate, exempt, weight)
 
-    def mode(self, mode: Mode) -> str:
-        return self.digest("mode", mode.value)
+    def mode(self, mode: Mode, fair_share: bool) -> str:
+        return self.digest("mode", mode.value, fair_share)
 
 
 def check_etag(etag: str, current: str, name: str) -> None:
@@ -144,26 +168,29 @@ def check_etag(etag: str, current: str, name: str) -> None:
         )
 
 
-def entry(
-    etags: Etags, user: str, rate: int, tier: str | None, exempt: bool
-) -> Limit | None:
-    """``user``'s entry with these fields (rate 0: none), or None when it has
-    none of them."""
-    if not rate and tier is None and not exempt:
+def entry(etags: Etags, user: str, fields: EntryFields) -> Limit | None:
+    """``user``'s entry with these fields, or None when it has none of them."""
+    if fields == NO_ENTRY:
         return None
-    fields = (rate or None, tier, exempt)
-    return Limit(user, rate, tier, exempt, etags.limit(user, fields))
+    rate, tier, exempt, weight = fields
+    etag = etags.limit(user, fields)
+    return Limit(user, rate or 0, tier, exempt, etag, weight or 0.0)
+
+
+def entry_fields(doc: TableDocument, user: str) -> EntryFields | None:
+    """``user``'s entry in ``doc``, or None without one."""
+    fields = (
+        doc.user_rates.get(user),
+        doc.memberships.get(user),
+        user in doc.exempt_users,
+        doc.user_weights.get(user),
+    )
+    return None if fields == NO_ENTRY else fields
 
 
 def entry_of(etags: Etags, doc: TableDocument, user: str) -> Limit:
     """The entry ``doc`` holds for ``user``, one of ``doc.users()``."""
-    limit = entry(
-        etags,
-        user,
-        doc.user_rates.get(user, 0),
-        doc.memberships.get(user),
-        user in doc.exempt_users,
-    )
+    limit = entry(etags, user, entry_fields(doc, user) or NO_ENTRY)
     assert limit is not None  # ``user`` is one of doc.users()
     return limit
 
@@ -172,7 +199,14 @@ def tier_of(etags: Etags, doc: TableDocument, tier: str, members: Counter[str]) 
     """Tier ``tier`` of ``doc``; ``members`` counts each tier's members."""
     rate = doc.tier_rates.get(tier)
     exempt = tier in doc.exempt_tiers
-    return Tier(tier, rate or 0, exempt, members[tier], etags.tier(tier, rate, exempt))
+    weight = doc.tier_weights.get(tier)
+    etag = etags.tier(tier, rate, exempt, weight)
+    return Tier(tier, rate or 0, exempt, members[tier], etag, weight or 0.0)
+
+
+def pacing_mode(etags: Etags, mode: Mode, fair_share: bool) -> PacingMode:
+    """The pacing mode resource of ``mode`` and the fair-share switch."""
+    return PacingMode(mode, etags.mode(mode, fair_share), fair_share)
 
 
 def table_of(etags: Etags, doc: TableDocument, etag: str) -> LimitsTable:

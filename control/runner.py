@@ -76,8 +76,9 @@ def serve(
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
     global_store: bool = False,
 ) -> ControlPlane:
-    """Loads the config file into ``shared``'s limiter and mode (the limiter's
-    current table and ``mode``, by default ``shared``'s, count as the flags),
+    """Loads the config file into ``shared``'s limiter, mode and fair-share
+    ledger (the limiter's current table, the ledger's weights and switch and
+    ``mode``, by default ``shared``'s, count as the flags),
     starts the server on ``settings.address``, marks it SERVING and hands its
     counters to ``shared`` for the metrics. Raises on a bad config file, bad TLS
     or token files, or an address it may not or cannot bind; nothing keeps
@@ -89,6 +90,7 @@ def serve(
     is not watched (an edit on one engine would make it differ from the
     others)."""
     with shared.lock:
+        ledger = shared.fair_share
         flags = TableDocument(
             default_rate=shared.limiter.default_rate,
             user_rates=shared.limiter.user_rates,
@@ -97,6 +99,9 @@ def serve(
             memberships=shared.limiter.memberships,
             exempt_users=shared.limiter.exempt_users,
             mode=shared.mode if mode is None else mode,
+            user_weights=dict(ledger.weights.users),
+            tier_weights=dict(ledger.weights.tiers),
+            fair_share=ledger.enabled,
         )
     file = None if settings.config_path is None else ConfigFile(settings.config_path)
     service = LimitsService(

@@ -105,10 +105,16 @@ class LimitsService:
         *,
         tier: str = "",
         exempt: bool = False,
+        weight: float = 0.0,
     ) -> Limit:
         """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
         return service_writes.create_limit(
-            self._commits, limit_id, tokens_per_second, tier=tier, exempt=exempt
+            self._commits,
+            limit_id,
+            tokens_per_second,
+            tier=tier,
+            exempt=exempt,
+            weight=weight,
         )
 
     def update_limit(
@@ -121,6 +127,7 @@ class LimitsService:
         tier: str = "",
         exempt: bool = False,
         etag: str = "",
+        weight: float = 0.0,
     ) -> Limit:
         """Changes the fields of entry ``name`` that ``update_mask`` selects;
         see ``service_writes.update_limit``."""
@@ -133,6 +140,7 @@ class LimitsService:
             tier=tier,
             exempt=exempt,
             etag=etag,
+            weight=weight,
         )
 
     def delete_limit(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
@@ -161,10 +169,12 @@ class LimitsService:
             self._commits, self._tokens, page_size, page_token
         )
 
-    def create_tier(self, tier_id: str, tokens_per_second: int, exempt: bool) -> Tier:
+    def create_tier(
+        self, tier_id: str, tokens_per_second: int, exempt: bool, weight: float = 0.0
+    ) -> Tier:
         """Creates tier ``tier_id``; AlreadyExists if it exists."""
         return service_writes.create_tier(
-            self._commits, tier_id, tokens_per_second, exempt
+            self._commits, tier_id, tokens_per_second, exempt, weight
         )
 
     def update_tier(
@@ -176,6 +186,7 @@ class LimitsService:
         *,
         allow_missing: bool,
         etag: str = "",
+        weight: float = 0.0,
     ) -> Tier:
         """Changes the fields of tier ``name`` that ``update_mask`` selects;
         see ``service_writes.update_tier``."""
@@ -187,6 +198,7 @@ class LimitsService:
             update_mask,
             allow_missing=allow_missing,
             etag=etag,
+            weight=weight,
         )
 
     def delete_tier(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
@@ -195,10 +207,10 @@ class LimitsService:
             self._commits, name, allow_missing=allow_missing, etag=etag
         )
 
-    # -- the pacing mode ---------------------------------------------------
+    # -- the pacing mode and the fair-share switch --------------------------
 
     def get_pacing_mode(self, name: str) -> PacingMode:
-        """The pacing mode and its etag."""
+        """The pacing mode and the fair-share switch, with their etag."""
         return service_reads.get_pacing_mode(self._commits, name)
 
     def update_pacing_mode(
@@ -208,10 +220,21 @@ class LimitsService:
         update_mask: Sequence[str],
         *,
         etag: str = "",
+        fair_share: bool = False,
+        mode_set: bool | None = None,
     ) -> PacingMode:
-        """Switches the pacing mode (``None``: an unknown value, refused)."""
+        """Switches the pacing mode and fair share as ``update_mask`` selects
+        (``mode`` None: unset, or a value we do not know, refused where the mode
+        is to change; ``mode_set``: whether the request holds one, by default
+        whether ``mode`` is given). See ``service_writes.update_pacing_mode``."""
         return service_writes.update_pacing_mode(
-            self._commits, name, mode, update_mask, etag=etag
+            self._commits,
+            name,
+            mode,
+            update_mask,
+            etag=etag,
+            fair_share=fair_share,
+            mode_set=mode is not None if mode_set is None else mode_set,
         )
 
     # -- the whole table ---------------------------------------------------
@@ -227,8 +250,9 @@ class LimitsService:
         etag: str,
         tiers: Iterable[TierSpec] = (),
     ) -> LimitsTable:
-        """Replaces the default, all entries and all tiers at once (not the
-        mode); Aborted when ``etag`` is not empty and not the current etag."""
+        """Replaces the default, all entries and all tiers, weights included, at
+        once (not the mode nor the fair-share switch); Aborted when ``etag`` is
+        not empty and not the current etag."""
         return table_writes.replace_limits_table(
             self._commits, default_tokens_per_second, limits, etag, tiers
         )

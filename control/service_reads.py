@@ -1,5 +1,6 @@
 """Reads of the limits table: the default, one entry or a page of them, one
-tier or a page of them, the pacing mode, the whole table.
+tier or a page of them, the pacing mode with the fair-share switch, the whole
+table.
 
 Invariant: each read takes what it returns from the limiter under one hold of
 ``shared.lock``, so it never shows half of a change; a list copies the table
@@ -24,6 +25,7 @@ from control.resources import (
     entry_of,
     no_limit,
     no_tier,
+    pacing_mode,
     table_of,
     tier_of,
 )
@@ -44,9 +46,12 @@ def get_limit(commits: TableCommits, name: str) -> Limit:
         limit = entry(
             commits.etags,
             user,
-            limiter.user_rates.get(user, 0),
-            limiter.tier_of(user),
-            user in limiter.exempt_users,
+            (
+                limiter.user_rates.get(user),
+                limiter.tier_of(user),
+                user in limiter.exempt_users,
+                commits.shared.fair_share.weights.users.get(user),
+            ),
         )
     if limit is None:
         raise no_limit(user)
@@ -99,11 +104,12 @@ def list_tiers(
 
 
 def get_pacing_mode(commits: TableCommits, name: str) -> PacingMode:
-    """The pacing mode and its etag."""
+    """The pacing mode and the fair-share switch, with their etag."""
     names.check_singleton(name, names.PACING_MODE, field="name")
     with commits.shared.lock:
         mode = commits.shared.mode
-    return PacingMode(mode, commits.etags.mode(mode))
+        fair_share = commits.shared.fair_share.enabled
+    return pacing_mode(commits.etags, mode, fair_share)
 
 
 def get_limits_table(commits: TableCommits, name: str) -> LimitsTable:

@@ -1,5 +1,6 @@
 """Changes of one part of the limits table, or of the mode: the default, one
-entry, one tier, the mode. Changes of the whole table are in ``table_writes``.
+entry (its weight included), one tier (its weight included), the mode and the
+fair-share switch. Changes of the whole table are in ``table_writes``.
 
 Each change checks its request's own fields first (``write_requests``), then,
 holding ``commits.changes``, checks it against the table in force (existence,
@@ -8,7 +9,7 @@ etag, room, tiers) and commits the whole new table through
 
 Invariant: every check runs before ``TableCommits.commit``, so a refused
 change leaves the table, the mode and their etags as they were; and no change
-leaves a user in a tier that does not exist.
+leaves a user in a tier that does not exist, nor a weight for one.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from control.errors import (
     ResourceExhausted,
 )
 from control.resources import (
+    NO_ENTRY,
     EntryFields,
     Limit,
     PacingMode,
     Tier,
     check_etag,
     entry,
+    entry_fields,
     no_limit,
     no_tier,
+    pacing_mode,
 )
 from control.table import (
     MAX_EXPLICIT_LIMITS,
@@ -42,6 +46,7 @@ from control.table import (
     check_rate,
     check_tier,
     check_user,
+    check_weight,
     shown,
 )
 from control.write_requests import (
@@ -49,6 +54,7 @@ from control.write_requests import (
     MODE_FIELDS,
     RATE_FIELD,
     TIER_FIELDS,
+    WEIGHT_FIELD,
     entry_rate,
     mask_fields,
     set_fields,
@@ -77,10 +83,16 @@ def create_limit(
     *,
     tier: str,
     exempt: bool,
+    weight: float = 0.0,
 ) -> Limit:
     """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
     user = check_user(limit_id, field="limit_id")
-    rate = entry_rate(tokens_per_second, bool(tier) or exempt, "limit")
+    own_weight = check_weight(weight, field="limit.weight")
+    rate = entry_rate(
+        tokens_per_second,
+        bool(tier) or exempt or own_weight is not None,
+        "limit",
+    )
     tier_id = names.parse_tier(tier, field="limit.tier") if tier else None
     with commits.changes:
         doc = commits.current()
@@ -90,7 +102,7 @@ def create_limit(
             )
         _check_tier_exists(doc, tier_id, field="limit.tier")
         _check_room(len(doc.users()) + 1)
-        return _commit_entry(commits, doc, user, (rate, tier_id, exempt))
+        return _commit_entry(commits, doc, user, (rate, tier_id, exempt, own_weight))
 
 
 def update_limit(
@@ -103,13 +115,19 @@ def update_limit(
     tier: str,
     exempt: bool,
     etag: str,
+    weight: float = 0.0,
 ) -> Limit:
     """Changes the fields of entry ``name`` that ``update_mask`` selects
     (empty: those set, see the proto); creates it with ``allow_missing``. An
     update that leaves nothing removes the entry."""
     user = names.parse_user(name, names.LIMITS, field="limit.name")
     given = set_fields(
-        {RATE_FIELD: tokens_per_second != 0, "tier": bool(tier), "exempt": exempt}
+        {
+            RATE_FIELD: tokens_per_second != 0,
+            "tier": bool(tier),
+            "exempt": exempt,
+            WEIGHT_FIELD: weight != 0,
+        }
     )
     fields = mask_fields(update_mask, LIMIT_FIELDS, given)
     rate: int | None = None
@@ -120,21 +138,25 @@ def update_limit(
     tier_id = None
     if "tier" in fields and tier:
         tier_id = names.parse_tier(tier, field="limit.tier")
+    own_weight = None
+    if WEIGHT_FIELD in fields:
+        own_weight = check_weight(weight, field="limit.weight")
     with commits.changes:
         doc = commits.current()
-        current = _entry_fields(doc, user)
+        current = entry_fields(doc, user)
         if current is None and not allow_missing:
             raise no_limit(user)
         check_etag(etag, commits.etags.limit(user, current), names.limit_name(user))
-        old_rate, old_tier, old_exempt = current or (None, None, False)
+        old_rate, old_tier, old_exempt, old_weight = current or NO_ENTRY
         new = (
             rate if RATE_FIELD in fields else old_rate,
             tier_id if "tier" in fields else old_tier,
             exempt if "exempt" in fields else old_exempt,
+            own_weight if WEIGHT_FIELD in fields else old_weight,
         )
         _check_tier_exists(doc, new[1], field="limit.tier")
         if current is None:
-            if new == (None, None, False):
+            if new == NO_ENTRY:
                 return Limit(user, 0)  # nothing to create
             _check_room(len(doc.users()) + 1)
         return _commit_entry(commits, doc, user, new)
@@ -147,20 +169,25 @@ def delete_limit(
     user = names.parse_user(name, names.LIMITS, field="name")
     with commits.changes:
         doc = commits.current()
-        current = _entry_fields(doc, user)
+        current = entry_fields(doc, user)
         if current is None:
             if allow_missing:
                 return
             raise no_limit(user)
         check_etag(etag, commits.etags.limit(user, current), names.limit_name(user))
-        _commit_entry(commits, doc, user, (None, None, False))
+        _commit_entry(commits, doc, user, NO_ENTRY)
 
 
 def create_tier(
-    commits: TableCommits, tier_id: str, tokens_per_second: int, exempt: bool
+    commits: TableCommits,
+    tier_id: str,
+    tokens_per_second: int,
+    exempt: bool,
+    weight: float = 0.0,
 ) -> Tier:
     """Creates tier ``tier_id``; AlreadyExists if it exists."""
     tier = check_tier(tier_id, field="tier_id")
+    own_weight = check_weight(weight, field="tier.weight")
     rate = entry_rate(tokens_per_second, exempt, "tier")
     with commits.changes:
         doc = commits.current()
@@ -169,7 +196,7 @@ def create_tier(
                 f"{shown(names.tier_name(tier))} exists; use UpdateTier"
             )
         _check_tier_room(doc)
-        return _commit_tier(commits, doc, tier, rate, exempt)
+        return _commit_tier(commits, doc, tier, rate, exempt, own_weight)
 
 
 def update_tier(
@@ -181,16 +208,28 @@ def update_tier(
     *,
     allow_missing: bool,
     etag: str,
+    weight: float = 0.0,
 ) -> Tier:
     """Changes the fields of tier ``name`` that ``update_mask`` selects
     (empty: those set, see the proto); creates it with ``allow_missing``. An
-    update that leaves neither a rate nor an exemption removes the tier."""
+    update that leaves neither a rate nor an exemption removes the tier and
+    its weight; one that also sets a weight is refused (a weight alone does
+    not make a tier)."""
     tier = names.parse_tier(name, field="tier.name")
-    given = set_fields({RATE_FIELD: tokens_per_second != 0, "exempt": exempt})
+    given = set_fields(
+        {
+            RATE_FIELD: tokens_per_second != 0,
+            "exempt": exempt,
+            WEIGHT_FIELD: weight != 0,
+        }
+    )
     fields = mask_fields(update_mask, TIER_FIELDS, given)
     rate: int | None = None
     if RATE_FIELD in fields:
         rate = entry_rate(tokens_per_second, bool(update_mask), "tier")
+    own_weight = None
+    if WEIGHT_FIELD in fields:
+        own_weight = check_weight(weight, field="tier.weight")
     with commits.changes:
         doc = commits.current()
         exists = tier in doc.tiers
@@ -198,7 +237,11 @@ def update_tier(
             if not allow_missing:
                 raise no_tier(tier)
             _check_tier_room(doc)
-        current = (doc.tier_rates.get(tier), tier in doc.exempt_tiers)
+        current = (
+            doc.tier_rates.get(tier),
+            tier in doc.exempt_tiers,
+            doc.tier_weights.get(tier),
+        )
         check_etag(
             etag,
             commits.etags.tier(tier, *current) if exists else "",
@@ -206,9 +249,17 @@ def update_tier(
         )
         new_rate = rate if RATE_FIELD in fields else current[0]
         new_exempt = exempt if "exempt" in fields else current[1]
-        if new_rate is None and not new_exempt and not exists:
-            return Tier(tier, 0, False)  # nothing to create
-        return _commit_tier(commits, doc, tier, new_rate, new_exempt)
+        new_weight = own_weight if WEIGHT_FIELD in fields else current[2]
+        if new_rate is None and not new_exempt:
+            if own_weight is not None:
+                raise InvalidArgument(
+                    f"tier.weight: a weight alone does not make a tier: give "
+                    f"{shown(names.tier_name(tier))} tokens_per_second or exempt"
+                )
+            if not exists:
+                return Tier(tier, 0, False)  # nothing to create
+            new_weight = None  # the tier goes, and its weight with it
+        return _commit_tier(commits, doc, tier, new_rate, new_exempt, new_weight)
 
 
 def delete_tier(
@@ -223,10 +274,13 @@ def delete_tier(
                 return
             raise no_tier(tier)
         current = commits.etags.tier(
-            tier, doc.tier_rates.get(tier), tier in doc.exempt_tiers
+            tier,
+            doc.tier_rates.get(tier),
+            tier in doc.exempt_tiers,
+            doc.tier_weights.get(tier),
         )
         check_etag(etag, current, names.tier_name(tier))
-        _commit_tier(commits, doc, tier, None, False)
+        _commit_tier(commits, doc, tier, None, False, None)
 
 
 def update_pacing_mode(
@@ -236,18 +290,30 @@ def update_pacing_mode(
     update_mask: Sequence[str],
     *,
     etag: str,
+    fair_share: bool,
+    mode_set: bool,
 ) -> PacingMode:
-    """Switches the pacing mode (``None``: an unknown value, refused)."""
+    """Switches the pacing mode and fair share as ``update_mask`` selects
+    (empty: those set; ``mode_set``: the request holds a mode, ``None`` when it
+    is not one we know, refused). Switching fair share on where the engine
+    cannot run it: FailedPrecondition."""
     names.check_singleton(name, names.PACING_MODE, field="pacing_mode.name")
-    mask_fields(update_mask, MODE_FIELDS, set(MODE_FIELDS))
-    if mode is None:
+    given = set_fields({"mode": mode_set, "fair_share": fair_share})
+    fields = mask_fields(update_mask, MODE_FIELDS, given)
+    if "mode" in fields and mode is None:
         raise InvalidArgument("pacing_mode.mode must be ENFORCE, SHADOW or OFF")
     with commits.changes:
         doc = commits.current()
         assert doc.mode is not None  # current() always reads the mode
-        check_etag(etag, commits.etags.mode(doc.mode), names.PACING_MODE)
-        commits.commit(dataclasses.replace(doc, mode=mode), None, table=False)
-    return PacingMode(mode, commits.etags.mode(mode))
+        assert doc.fair_share is not None  # and the switch
+        check_etag(
+            etag, commits.etags.mode(doc.mode, doc.fair_share), names.PACING_MODE
+        )
+        new_mode = mode if mode is not None and "mode" in fields else doc.mode
+        switch = fair_share if "fair_share" in fields else doc.fair_share
+        new = dataclasses.replace(doc, mode=new_mode, fair_share=switch)
+        commits.commit(new, None, table=False)
+    return pacing_mode(commits.etags, new_mode, switch)
 
 
 def _commit_entry(
@@ -255,11 +321,13 @@ def _commit_entry(
 ) -> Limit:
     """Commits ``user``'s new entry (all None/False: removed). Requires
     commits.changes."""
-    rate, tier, exempt = fields
+    rate, tier, exempt, weight = fields
     users, memberships = dict(doc.user_rates), dict(doc.memberships)
+    weights = dict(doc.user_weights)
     exempt_users = set(doc.exempt_users)
     _put(users, user, rate)
     _put(memberships, user, tier)
+    _put(weights, user, weight)
     if exempt:
         exempt_users.add(user)
     else:
@@ -269,6 +337,7 @@ def _commit_entry(
         user_rates=users,
         memberships=memberships,
         exempt_users=frozenset(exempt_users),
+        user_weights=weights,
     )
 
     def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
@@ -281,7 +350,7 @@ def _commit_entry(
             limiter.set_user_exempt(user, False, now_ns)
 
     commits.commit(new, apply)
-    return entry(commits.etags, user, rate or 0, tier, exempt) or Limit(user, 0)
+    return entry(commits.etags, user, fields) or Limit(user, 0)
 
 
 def _commit_tier(
@@ -290,24 +359,30 @@ def _commit_tier(
     tier: str,
     rate: int | None,
     exempt: bool,
+    weight: float | None,
 ) -> Tier:
-    """Commits ``tier``'s new rate and exemption (None and False: removed;
-    FailedPrecondition while it has members). Requires commits.changes."""
+    """Commits ``tier``'s new rate, exemption and weight (None, False and None:
+    removed; FailedPrecondition while it has members). Requires
+    commits.changes."""
     members = sum(1 for t in doc.memberships.values() if t == tier)
     if rate is None and not exempt and members:
         raise FailedPrecondition(
             f"{shown(names.tier_name(tier))} has {members} member(s): move "
             "them to another tier (or remove their tier) first"
         )
-    rates = dict(doc.tier_rates)
+    rates, weights = dict(doc.tier_rates), dict(doc.tier_weights)
     _put(rates, tier, rate)
+    _put(weights, tier, weight)
     exempt_tiers = set(doc.exempt_tiers)
     if exempt:
         exempt_tiers.add(tier)
     else:
         exempt_tiers.discard(tier)
     new = dataclasses.replace(
-        doc, tier_rates=rates, exempt_tiers=frozenset(exempt_tiers)
+        doc,
+        tier_rates=rates,
+        exempt_tiers=frozenset(exempt_tiers),
+        tier_weights=weights,
     )
 
     def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
@@ -322,18 +397,8 @@ def _commit_tier(
     commits.commit(new, apply)
     if rate is None and not exempt:
         return Tier(tier, 0, False)
-    etag = commits.etags.tier(tier, rate, exempt)
-    return Tier(tier, rate or 0, exempt, members, etag)
-
-
-def _entry_fields(doc: TableDocument, user: str) -> EntryFields | None:
-    """``user``'s entry in ``doc``, or None without one."""
-    fields = (
-        doc.user_rates.get(user),
-        doc.memberships.get(user),
-        user in doc.exempt_users,
-    )
-    return None if fields == (None, None, False) else fields
+    etag = commits.etags.tier(tier, rate, exempt, weight)
+    return Tier(tier, rate or 0, exempt, members, etag, weight or 0.0)
 
 
 def _put(mapping: dict[str, Any], key: str, value: Any) -> None:

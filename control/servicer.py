@@ -102,6 +102,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 limit.tokens_per_second,
                 tier=limit.tier,
                 exempt=limit.exempt,
+                weight=limit.weight,
             )
         )
 
@@ -118,6 +119,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 tier=limit.tier,
                 exempt=limit.exempt,
                 etag=limit.etag,
+                weight=limit.weight,
             )
         )
 
@@ -145,9 +147,10 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
     def CreateTier(
         self, request: _pb2.CreateTierRequest, context: grpc.ServicerContext
     ) -> _pb2.Tier:
+        tier = request.tier
         return _tier(
             self._service.create_tier(
-                request.tier_id, request.tier.tokens_per_second, request.tier.exempt
+                request.tier_id, tier.tokens_per_second, tier.exempt, tier.weight
             )
         )
 
@@ -163,6 +166,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 list(request.update_mask.paths),
                 allow_missing=request.allow_missing,
                 etag=tier.etag,
+                weight=tier.weight,
             )
         )
 
@@ -189,6 +193,8 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 _MODES_BY_NUMBER.get(mode.mode),
                 list(request.update_mask.paths),
                 etag=mode.etag,
+                fair_share=mode.fair_share,
+                mode_set=mode.mode != _pb2.PacingMode.MODE_UNSPECIFIED,
             )
         )
 
@@ -205,11 +211,14 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
             self._service.replace_limits_table(
                 table.default_tokens_per_second,
                 [
-                    LimitSpec(x.name, x.tokens_per_second, x.tier, x.exempt)
+                    LimitSpec(x.name, x.tokens_per_second, x.tier, x.exempt, x.weight)
                     for x in table.limits
                 ],
                 table.etag,
-                [TierSpec(x.name, x.tokens_per_second, x.exempt) for x in table.tiers],
+                [
+                    TierSpec(x.name, x.tokens_per_second, x.exempt, x.weight)
+                    for x in table.tiers
+                ],
             )
         )
 
@@ -273,6 +282,7 @@ def _limit(limit: Limit) -> _pb2.Limit:
         tier="" if limit.tier is None else names.tier_name(limit.tier),
         exempt=limit.exempt,
         etag=limit.etag,
+        weight=limit.weight,
     )
 
 
@@ -283,12 +293,16 @@ def _tier(tier: Tier) -> _pb2.Tier:
         exempt=tier.exempt,
         member_count=tier.member_count,
         etag=tier.etag,
+        weight=tier.weight,
     )
 
 
 def _pacing_mode(mode: PacingMode) -> _pb2.PacingMode:
     return _pb2.PacingMode(
-        name=names.PACING_MODE, mode=_MODES[mode.mode], etag=mode.etag
+        name=names.PACING_MODE,
+        mode=_MODES[mode.mode],
+        etag=mode.etag,
+        fair_share=mode.fair_share,
     )
 
 
@@ -323,6 +337,12 @@ def _user_state(view: UserState) -> _pb2.UserState:
         pacing_mode=_MODES[view.mode],
         store=None if view.store is None else _store_view(view.store),
         engine_late=_duration(view.engine_late_ns),
+        weight=view.fair_share.weight,
+        fair_share_service=view.fair_share.service,
+        fair_share_preemptions=view.fair_share.preemptions,
+        fair_share=view.fair_share.enabled,
+        fair_share_backlogged=view.fair_share.backlogged,
+        fair_share_lead=view.fair_share.lead,
     )
 
 

@@ -4,6 +4,7 @@ and the JSON/YAML format shared by the config file and the CLI's import/export.
 Format (YAML shown; JSON is the same tree)::
 
     mode: enforce                  # enforce, shadow or off
+    fair_share: true               # weighted fair share on (or false)
     default_tokens_per_second: 100
     tiers:                         # tier id -> rate and/or exemption
       free: {tokens_per_second: 20}
@@ -15,10 +16,15 @@ Format (YAML shown; JSON is the same tree)::
       user-b: free
       user-c: pro
     exempt_users: [ops-bot]        # unlimited, whatever their limit or tier
+    weights:                       # fair-share weights, as --output-rate-weights
+      users: {user-d: 2}           # a user's own weight (no limit needed)
+      tiers: {pro: 4}              # each member's without a weight of its own
     etag: "..."
 
 - ``mode``: optional; the pacing mode (``pacing.modes``). ``false`` counts as
   ``off``: YAML 1.1 reads an unquoted ``mode: off`` so.
+- ``fair_share``: optional; ``true`` or ``false``, whether weighted fair share
+  orders admissions (``pacing.fair_share``).
 - ``default_tokens_per_second``: optional; an integer in 1..1000000.
 - ``tiers``: optional; each tier has ``tokens_per_second`` (an integer in
   1..1000000), ``exempt: true``, or both (the rate applies again once the
@@ -28,12 +34,17 @@ Format (YAML shown; JSON is the same tree)::
   well-formed Unicode without control, format or separator characters).
 - ``memberships``: optional; user id -> the id of a tier in ``tiers``.
 - ``exempt_users``: optional; a list of user ids, each at most once.
+- ``weights``: optional; ``users`` (user id -> weight) and ``tiers`` (the id of
+  a tier in ``tiers`` -> weight), each weight a number in (0, 1000000]. A user
+  with a weight and nothing else has an entry (its weight) and no limit of its
+  own.
 - ``etag``: optional; written by ``output-rate-ctl export`` so that ``import``
   fails when the table changed in between. The config file ignores it.
 
 Which limit applies to a user is ``pacing.limits``' rule: own exemption, own
 limit, exempt tier, tier rate, default. At most ``MAX_EXPLICIT_LIMITS`` users
-may appear in ``users``, ``memberships`` and ``exempt_users`` together.
+may appear in ``users``, ``memberships``, ``exempt_users`` and the users'
+weights together.
 
 Anything else (unknown keys, fractional or boolean rates, duplicate keys, a
 membership of a tier not in ``tiers``) is an error naming the offending field.
@@ -49,6 +60,8 @@ from typing import Any, Literal
 import yaml
 
 from control.errors import InvalidArgument
+from pacing.fair_share import validate_weight
+from pacing.fair_share_policy import SharePolicy
 from pacing.identity import validate_user
 from pacing.limiter import LimitTable, validate_rate
 from pacing.modes import Mode, parse_mode
@@ -61,12 +74,17 @@ MAX_EXPLICIT_LIMITS = 100_000
 MAX_TIERS = 100
 
 MODE_KEY = "mode"
+FAIR_SHARE_KEY = "fair_share"
 DEFAULT_KEY = "default_tokens_per_second"
 TIERS_KEY = "tiers"
 USERS_KEY = "users"
 MEMBERSHIPS_KEY = "memberships"
 EXEMPT_USERS_KEY = "exempt_users"
 ETAG_KEY = "etag"
+WEIGHTS_KEY = "weights"
+#: Keys of the weights object.
+WEIGHT_USERS_KEY = "users"
+WEIGHT_TIERS_KEY = "tiers"
 #: Keys of one tier's object.
 RATE_KEY = "tokens_per_second"
 EXEMPT_KEY = "exempt"
@@ -76,9 +94,9 @@ Format = Literal["json", "yaml"]
 
 @dataclass(frozen=True)
 class TableDocument:
-    """A validated table document; ``default_rate`` and ``mode`` are ``None``
-    when absent. Every membership names a tier of ``tier_rates`` or
-    ``exempt_tiers``."""
+    """A validated table document; ``default_rate``, ``mode`` and
+    ``fair_share`` are ``None`` when absent. Every membership and every tier
+    weight names a tier of ``tier_rates`` or ``exempt_tiers``."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
@@ -88,6 +106,9 @@ class TableDocument:
     memberships: Mapping[str, str] = field(default_factory=dict)
     exempt_users: Set[str] = frozenset()
     mode: Mode | None = None
+    user_weights: Mapping[str, float] = field(default_factory=dict)
+    tier_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_share: bool | None = None
 
     @property
     def tiers(self) -> set[str]:
@@ -95,12 +116,17 @@ class TableDocument:
         return set(self.tier_rates) | set(self.exempt_tiers)
 
     def users(self) -> set[str]:
-        """Every user with an entry: a limit, a tier or an exemption."""
-        return set(self.user_rates) | set(self.memberships) | set(self.exempt_users)
+        """Every user with an entry: a limit, a tier, an exemption or a weight."""
+        return (
+            set(self.user_rates)
+            | set(self.memberships)
+            | set(self.exempt_users)
+            | set(self.user_weights)
+        )
 
     def same_table(self, other: TableDocument) -> bool:
-        """Whether ``other`` holds the same default, entries and tiers (the
-        etag and the mode aside)."""
+        """Whether ``other`` holds the same default, entries and tiers, weights
+        included (the etag, the mode and the fair-share switch aside)."""
         return self._table_fields() == other._table_fields()
 
     def _table_fields(self) -> tuple[Any, ...]:
@@ -111,6 +137,16 @@ class TableDocument:
             frozenset(self.exempt_tiers),
             dict(self.memberships),
             frozenset(self.exempt_users),
+            dict(self.user_weights),
+            dict(self.tier_weights),
+        )
+
+    def share_policy(self, enabled: bool) -> SharePolicy:
+        """The switch (``fair_share``, else ``enabled``) and the weights."""
+        return SharePolicy(
+            enabled if self.fair_share is None else self.fair_share,
+            self.user_weights,
+            self.tier_weights,
         )
 
     def limit_table(self) -> LimitTable:
@@ -169,6 +205,17 @@ def check_mode(value: object, *, field: str) -> Mode:
         ) from None
 
 
+def check_weight(value: object, *, field: str) -> float | None:
+    """A fair-share weight as a request gives it: ``None`` for 0 (none), else
+    a valid weight; InvalidArgument naming ``field``."""
+    if value == 0 and not isinstance(value, bool):
+        return None
+    try:
+        return validate_weight(value, field=field)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def check_table_size(count: int) -> None:
     """Raises InvalidArgument when a table would name more than
     ``MAX_EXPLICIT_LIMITS`` users."""
@@ -194,6 +241,11 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
             f"got {type(doc).__name__}"
         )
     _check_keys(doc, _KEYS, f"{source}:")
+    fair_share = doc.get(FAIR_SHARE_KEY)
+    if fair_share is not None and not isinstance(fair_share, bool):
+        raise InvalidArgument(
+            f"{source}: {FAIR_SHARE_KEY} must be true or false, got {shown(fair_share)}"
+        )
     mode = doc.get(MODE_KEY)
     if mode is False:  # YAML 1.1 reads an unquoted `mode: off` as false
         mode = Mode.OFF
@@ -220,7 +272,12 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         if tier not in tiers:
             raise InvalidArgument(f"{where}: tier {shown(tier)} is not in {TIERS_KEY}")
     exempt_users = _parse_exempt_users(doc.get(EXEMPT_USERS_KEY) or [], source)
-    check_table_size(len(rates.keys() | memberships.keys() | exempt_users))
+    user_weights, tier_weights = _parse_weights(
+        doc.get(WEIGHTS_KEY) or {}, tiers, source
+    )
+    check_table_size(
+        len(rates.keys() | memberships.keys() | exempt_users | user_weights.keys())
+    )
     etag = doc.get(ETAG_KEY)
     if etag is not None and not isinstance(etag, str):
         raise InvalidArgument(f"{source}: {ETAG_KEY} must be a string")
@@ -233,6 +290,9 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         memberships=memberships,
         exempt_users=exempt_users,
         mode=mode,
+        user_weights=user_weights,
+        tier_weights=tier_weights,
+        fair_share=fair_share,
     )
 
 
@@ -292,6 +352,45 @@ def _parse_tiers(tree: object, source: str) -> tuple[dict[str, int], frozenset[s
     return rates, frozenset(exempt)
 
 
+def _parse_weights(
+    tree: object, tiers: Set[str], source: str
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(user weights, tier weights) of the ``weights`` object; each tier one of
+    ``tiers``."""
+    if not isinstance(tree, Mapping):
+        raise InvalidArgument(
+            f"{source}: {WEIGHTS_KEY} must be an object with {WEIGHT_USERS_KEY!r} "
+            f"and/or {WEIGHT_TIERS_KEY!r}, got {type(tree).__name__}"
+        )
+    where = f"{source}: {WEIGHTS_KEY}"
+    _check_keys(tree, (WEIGHT_USERS_KEY, WEIGHT_TIERS_KEY), f"{where}:")
+    users = _mapping(tree, WEIGHT_USERS_KEY, "user ids to weights", where)
+    user_weights = {
+        check_user(user, field=f"{where}: user id {shown(user)}"): _weight(
+            weight, f"{where}.{WEIGHT_USERS_KEY}[{shown(user)}]"
+        )
+        for user, weight in users.items()
+    }
+    tier_weights: dict[str, float] = {}
+    for tier, weight in _mapping(
+        tree, WEIGHT_TIERS_KEY, "tier ids to weights", where
+    ).items():
+        field_ = f"{where}.{WEIGHT_TIERS_KEY}[{shown(tier)}]"
+        if tier not in tiers:
+            raise InvalidArgument(f"{field_}: tier {shown(tier)} is not in {TIERS_KEY}")
+        tier_weights[tier] = _weight(weight, field_)
+    return user_weights, tier_weights
+
+
+def _weight(value: object, field: str) -> float:
+    """A weight of the file: a number in (0, ``MAX_WEIGHT``] (0 is refused:
+    leave the user or tier out instead)."""
+    try:
+        return validate_weight(value, field=field)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def _parse_exempt_users(tree: object, source: str) -> frozenset[str]:
     if not isinstance(tree, list):
         raise InvalidArgument(
@@ -328,6 +427,8 @@ def dumps(doc: TableDocument, fmt: Format) -> str:
     tree: dict[str, Any] = {}
     if doc.mode is not None:
         tree[MODE_KEY] = doc.mode.value
+    if doc.fair_share is not None:
+        tree[FAIR_SHARE_KEY] = doc.fair_share
     if doc.default_rate is not None:
         tree[DEFAULT_KEY] = doc.default_rate
     tiers: dict[str, dict[str, Any]] = {}
@@ -342,6 +443,10 @@ def dumps(doc: TableDocument, fmt: Format) -> str:
     tree[USERS_KEY] = dict(sorted(doc.user_rates.items()))
     tree[MEMBERSHIPS_KEY] = dict(sorted(doc.memberships.items()))
     tree[EXEMPT_USERS_KEY] = sorted(doc.exempt_users)
+    tree[WEIGHTS_KEY] = {
+        WEIGHT_USERS_KEY: dict(sorted(doc.user_weights.items())),
+        WEIGHT_TIERS_KEY: dict(sorted(doc.tier_weights.items())),
+    }
     if doc.etag is not None:
         tree[ETAG_KEY] = doc.etag
     if fmt == "json":
@@ -363,11 +468,13 @@ def format_of(path: str) -> Format:
 
 _KEYS = (
     MODE_KEY,
+    FAIR_SHARE_KEY,
     DEFAULT_KEY,
     TIERS_KEY,
     USERS_KEY,
     MEMBERSHIPS_KEY,
     EXEMPT_USERS_KEY,
+    WEIGHTS_KEY,
     ETAG_KEY,
 )
 #: Unknown fields named in one error message.

@@ -21,10 +21,12 @@ from control.commits import Apply, TableCommits
 from control.errors import Aborted, InvalidArgument
 from control.resources import LimitSpec, LimitsTable, TierSpec, table_of
 from control.table import (
+    FAIR_SHARE_KEY,
     TableDocument,
     check_rate,
     check_table_size,
     check_tier_count,
+    check_weight,
     shown,
 )
 from control.write_requests import entry_rate
@@ -37,11 +39,13 @@ def parse_table(
     tiers: Iterable[TierSpec],
 ) -> TableDocument:
     """The table a ``ReplaceLimitsTable`` request holds, checked on its own
-    (ids, duplicates, rates, memberships, sizes); its mode is None."""
+    (ids, duplicates, rates, weights, memberships, sizes); its mode and
+    fair-share switch are None."""
     default = check_rate(
         default_tokens_per_second, field="limits_table.default_tokens_per_second"
     )
     tier_rates: dict[str, int] = {}
+    tier_weights: dict[str, float] = {}
     exempt_tiers: set[str] = set()
     seen_tiers: set[str] = set()
     for index, spec in enumerate(tiers):
@@ -55,10 +59,14 @@ def parse_table(
         rate = entry_rate(spec.tokens_per_second, spec.exempt, where)
         if rate is not None:
             tier_rates[tier] = rate
+        weight = check_weight(spec.weight, field=f"{where}.weight")
+        if weight is not None:
+            tier_weights[tier] = weight
         if spec.exempt:
             exempt_tiers.add(tier)
     check_tier_count(len(seen_tiers))
     users: dict[str, int] = {}
+    user_weights: dict[str, float] = {}
     memberships: dict[str, str] = {}
     exempt_users: set[str] = set()
     seen_users: set[str] = set()
@@ -70,11 +78,16 @@ def parse_table(
                 f"{where}.name: {shown(names.limit_name(user))} appears more than once"
             )
         seen_users.add(user)
+        weight = check_weight(entry.weight, field=f"{where}.weight")
         rate = entry_rate(
-            entry.tokens_per_second, bool(entry.tier) or entry.exempt, where
+            entry.tokens_per_second,
+            bool(entry.tier) or entry.exempt or weight is not None,
+            where,
         )
         if rate is not None:
             users[user] = rate
+        if weight is not None:
+            user_weights[user] = weight
         if entry.tier:
             tier = names.parse_tier(entry.tier, field=f"{where}.tier")
             if tier not in seen_tiers:
@@ -93,6 +106,8 @@ def parse_table(
         exempt_tiers=frozenset(exempt_tiers),
         memberships=memberships,
         exempt_users=frozenset(exempt_users),
+        user_weights=user_weights,
+        tier_weights=tier_weights,
     )
 
 
@@ -103,8 +118,9 @@ def replace_limits_table(
     etag: str,
     tiers: Iterable[TierSpec],
 ) -> LimitsTable:
-    """Replaces the default, all entries and all tiers at once (not the
-    mode); Aborted when ``etag`` is not empty and not the current etag."""
+    """Replaces the default, all entries and all tiers, weights included, at
+    once (not the mode nor the fair-share switch); Aborted when ``etag`` is not
+    empty and not the current etag."""
     table = parse_table(default_tokens_per_second, limits, tiers)
     with commits.changes:
         if etag and etag != commits.etag():
@@ -112,17 +128,22 @@ def replace_limits_table(
                 f"etag {shown(etag)} is not current: the table changed "
                 "since it was read; read it again and retry"
             )
-        doc = dataclasses.replace(table, mode=commits.current().mode)
+        current = commits.current()
+        doc = dataclasses.replace(
+            table, mode=current.mode, fair_share=current.fair_share
+        )
         new_etag = commits.commit(doc, _replace_with(doc))
     return table_of(commits.etags, doc, new_etag)
 
 
 def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> bool:
-    """Makes the document ``read()`` returns the table and mode, without
-    persisting it (it came from the config file); ``None`` or an equal
-    document changes nothing, a missing default or mode keeps the current
-    one. ``read`` runs under the change lock, so no RPC change interleaves.
-    Returns whether the table or the mode changed."""
+    """Makes the document ``read()`` returns the table, mode and fair-share
+    switch, without persisting it (it came from the config file); ``None`` or
+    an equal document changes nothing, a missing default, mode or switch keeps
+    the current one. ``read`` runs under the change lock, so no RPC change
+    interleaves. Returns whether the table, the mode or the switch changed.
+    FailedPrecondition when it switches fair share on where the engine cannot
+    run it (nothing applied)."""
     with commits.changes:
         doc = read()
         if doc is None:
@@ -135,10 +156,16 @@ def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> b
                 current.default_rate if doc.default_rate is None else doc.default_rate
             ),
             mode=current.mode if doc.mode is None else doc.mode,
+            fair_share=current.fair_share if doc.fair_share is None else doc.fair_share,
         )
         table_changed = not doc.same_table(current)
-        if not table_changed and doc.mode == current.mode:
+        if (
+            not table_changed
+            and doc.mode == current.mode
+            and doc.fair_share == current.fair_share
+        ):
             return False
+        commits.check_fair_share(doc, field=FAIR_SHARE_KEY)
         commits.apply(
             doc, _replace_with(doc) if table_changed else None, table=table_changed
         )

@@ -16,9 +16,10 @@ from control import names
 from control.errors import InvalidArgument, NotFound
 from control.ordering import MAX_PAGE_SIZE, Order, page_size, resume
 from control.pagination import PageTokens
-from control.resources import UserState
+from control.resources import FairShareState, UserState
 from control.table import shown
 from pacing.budget import StoreViews
+from pacing.fair_share import FairShare
 from pacing.shared import Reading, SharedLimiter
 
 #: Bounds of a watch's update interval: below 100 ms a watch would mostly cost
@@ -149,23 +150,49 @@ def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
 def _states(
     shared: SharedLimiter, reading: Reading, users: Iterable[str]
 ) -> list[UserState]:
-    """Each of ``users``' state with its limit's source and, with a global
-    store, its view of the store. Requires shared.lock."""
+    """Each of ``users``' state with its limit's source, its standing under
+    fair share and, with a global store, its view of the store. Requires
+    shared.lock."""
     limiter = shared.limiter
     budget = shared.budget
     views = budget if isinstance(budget, StoreViews) else None
+    ledger = shared.fair_share
+    floor = _backlogged_floor(ledger)
     states = []
     for user in users:
         counters = reading.counters.get(user)
+        tier = limiter.tier_of(user)
+        backlogged = floor is not None and user in ledger.backlogged
         states.append(
             UserState(
                 snapshot=reading.snapshot(user),
                 source=limiter.limit_source(user),
-                tier=limiter.tier_of(user),
+                tier=tier,
                 shadow_skips=0 if counters is None else counters.shadow_skips,
                 mode=shared.mode,
                 engine_late_ns=0 if counters is None else counters.engine_late_ns,
+                fair_share=FairShareState(
+                    weight=ledger.weights.of(user, tier),
+                    service=0.0 if counters is None else counters.fair_share_service,
+                    preemptions=0
+                    if counters is None
+                    else counters.fair_share_preemptions,
+                    enabled=ledger.enabled,
+                    backlogged=backlogged,
+                    lead=ledger.of(user) - floor
+                    if backlogged and floor is not None
+                    else 0.0,
+                ),
                 store=None if views is None else views.store_view(user, reading.now_ns),
             )
         )
     return states
+
+
+def _backlogged_floor(ledger: FairShare) -> float | None:
+    """The smallest counter among the users backlogged at the last step; None
+    with fair share off (the last step's set is stale) or nobody backlogged.
+    Requires shared.lock."""
+    if not ledger.enabled or not ledger.backlogged:
+        return None
+    return min(ledger.of(user) for user in ledger.backlogged)

@@ -1,5 +1,5 @@
 """The checks of a write request's own fields, made before any lock is taken:
-which fields an update changes (its mask) and a resource's own rate.
+which fields an update changes (its mask), a resource's own rate and weight.
 
 Invariant: nothing here reads the table in force; what a request says is
 checked against it later, under the change lock (``service_writes``,
@@ -15,9 +15,10 @@ from control.table import check_rate, shown
 
 #: Update-mask paths: the rate is the only mutable field of ``DefaultLimit``.
 RATE_FIELD = "tokens_per_second"
-LIMIT_FIELDS = (RATE_FIELD, "tier", "exempt")
-TIER_FIELDS = (RATE_FIELD, "exempt")
-MODE_FIELDS = ("mode",)
+WEIGHT_FIELD = "weight"
+LIMIT_FIELDS = (RATE_FIELD, "tier", "exempt", WEIGHT_FIELD)
+TIER_FIELDS = (RATE_FIELD, "exempt", WEIGHT_FIELD)
+MODE_FIELDS = ("mode", "fair_share")
 
 
 def mask_fields(

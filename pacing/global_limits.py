@@ -6,7 +6,9 @@ Each ``SharedLimiter`` has one ``LimitsHub`` (``hub(shared)``):
 
 - ``lock`` serialises every change of the engine's table and mode: the control
   plane holds it from validating a change to applying it, a store's sync holds
-  it from reading the store to applying what it read. So a change is always
+  it from reading the store to applying what it read. The table travels with
+  the mode and the fair-share policy (``pacing.fair_share_policy``: the switch
+  and the weights; the counters stay each engine's). So a change is always
   validated against, and published from, the version the engine holds. Order:
   ``lock``, then the store's round trips, then ``SharedLimiter.lock`` for the
   apply alone (the scheduler never waits on the store).
@@ -27,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Protocol
 
+from pacing.fair_share_policy import SharePolicy
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
@@ -49,10 +52,16 @@ class LimitsUnavailable(Exception):
 class LimitsBackend(Protocol):
     """Where the control plane commits a change when a global store is used."""
 
-    def publish(self, default_rate: int | None, table: LimitTable, mode: Mode) -> None:
-        """Makes the whole table and mode every engine's, before the caller
-        applies them here. Requires the hub's lock held. Raises LimitsConflict
-        or LimitsUnavailable."""
+    def publish(
+        self,
+        default_rate: int | None,
+        table: LimitTable,
+        mode: Mode,
+        share: SharePolicy,
+    ) -> None:
+        """Makes the whole table, mode and fair-share policy every engine's,
+        before the caller applies them here. Requires the hub's lock held.
+        Raises LimitsConflict or LimitsUnavailable."""
         ...
 
 

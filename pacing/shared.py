@@ -49,12 +49,15 @@ from pacing.store_stats import StoreStats
 #: ``request_counts()`` result: user -> (running requests, throttled requests).
 RequestCounts = Mapping[str, tuple[int, int]]
 
-#: ``UserCounters`` attribute behind each counter field of ``UserSnapshot``.
+#: ``UserCounters`` attribute behind each counter column (those of
+#: ``UserSnapshot`` and the fair-share ones).
 _COUNTER_FIELDS = {
     "tokens_charged": "charged",
     "refunds": "refunds",
     "throttled_skips": "throttled_skips",
     "throttled_preemptions": "throttled_preemptions",
+    "fair_share_service": "fair_share_service",
+    "fair_share_preemptions": "fair_share_preemptions",
 }
 _REQUEST_FIELDS = {"running_requests": 0, "throttled_requests": 1}
 #: Numeric ``UserSnapshot`` fields ``Reading.column`` gives for all users at once.

@@ -25,10 +25,12 @@ applied. ``LimitsSync`` is one engine's side of that.
 
 Applying a table takes ``SharedLimiter.lock`` only for the apply itself, through
 the limiter's own calls (``set_default_rate``, ``replace_limits``: every user
-keeps its token debt, and ``limit_changes`` counts the change), and ends the
-engine's idle wait. An equal table (a seed read back, a mode-only change) is not
-applied again. A document that breaks the table's rules is logged and ignored:
-the table in force stays.
+keeps its token debt, and ``limit_changes`` counts the change) and the
+fair-share ledger's (``apply_policy``: the switch and the weights; an engine
+that cannot run fair share keeps it off), and ends the engine's idle wait. An
+equal table (a seed read back, a mode-only change) is not applied again. A
+document that breaks the table's rules is logged and ignored: the table in
+force stays.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 from typing import Any
 
 from pacing import global_limits
+from pacing.fair_share_policy import SharePolicy, apply_policy, policy_of
 from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
 from pacing.modes import Mode
@@ -117,7 +120,13 @@ class LimitsSync:
 
     # -- LimitsBackend -----------------------------------------------------------
 
-    def publish(self, default_rate: int | None, table: LimitTable, mode: Mode) -> None:
+    def publish(
+        self,
+        default_rate: int | None,
+        table: LimitTable,
+        mode: Mode,
+        share: SharePolicy,
+    ) -> None:
         """Writes the control plane's change to the store if it still holds the
         version applied here. Requires the hub's lock (the control plane holds
         it)."""
@@ -127,7 +136,7 @@ class LimitsSync:
             )
         try:
             self._version = self._store.write_limits(
-                Limits(default_rate, table, mode), self._version
+                Limits(default_rate, table, mode, share), self._version
             )
         except StaleLimits as stale:
             try:
@@ -165,7 +174,8 @@ class LimitsSync:
             limiter = shared.limiter
             default, mode = limiter.default_rate, shared.mode
             entries = _entries(limiter)
-        return Limits(default, LimitTable(*entries), mode)
+            share = policy_of(shared.fair_share)
+        return Limits(default, LimitTable(*entries), mode, share)
 
     def _apply(self, version: int, limits: Limits) -> bool:
         shared = self._shared
@@ -183,10 +193,14 @@ class LimitsSync:
             new_entries = wanted != _entries(limiter)
             if new_entries:
                 limiter.replace_limits(table, now_ns)
-            changed = new_default or new_entries
+            before = policy_of(shared.fair_share)
+            apply_policy(shared.fair_share, limits.share)
+            new_weights = _weights(limits.share) != _weights(before)
+            switched = shared.fair_share.enabled != before.enabled
+            changed = new_default or new_entries or new_weights
             if changed:
                 self._hub.table_changed()
-            mode_changed = shared.mode != limits.mode
+            mode_changed = shared.mode != limits.mode or switched
             shared.mode = limits.mode
             self._version = version
         if not (changed or mode_changed):
@@ -262,6 +276,12 @@ class LimitsSync:
                 "engine keeps its table and refuses changes until it can",
                 error,
             )
+
+
+def _weights(share: SharePolicy) -> tuple[Any, ...]:
+    """The weights of ``share`` (part of the table: they move the table etag;
+    the switch does not, like the mode)."""
+    return (dict(share.users), dict(share.tiers))
 
 
 def _entries(source: LimitTable | OutputRateLimiter) -> tuple[Any, ...]:

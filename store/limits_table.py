@@ -4,17 +4,24 @@ engine learns of a change at once (and, should a message be lost, from the
 version the next time it reads).
 
 The document holds the default rate, the whole ``pacing.limits.LimitTable``
-(user limits, tiers, memberships, exemptions) and the pacing mode (the fleet's
-kill switch is one switch); decoding checks it by the same rules as every other
-entry point, so a bad document is refused, never applied.
+(user limits, tiers, memberships, exemptions), the pacing mode (the fleet's
+kill switch is one switch) and the fair-share policy (the switch and the
+weights: ``pacing.fair_share_policy``; the counters stay each engine's);
+decoding checks it by the same rules as every other entry point, so a bad
+document is refused, never applied. The policy's keys are written only when it
+holds something (fair share on, or a weight), so a document without them reads
+as fair share off and no weights, and engines that do not know the keys keep
+reading the documents of a fleet that does not use fair share.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
+from pacing.fair_share import Weights
+from pacing.fair_share_policy import SharePolicy
 from pacing.identity import validate_user
 from pacing.limits import LimitTable, validate_rate
 from pacing.modes import Mode, parse_mode
@@ -40,35 +47,39 @@ _FIELDS = (
     "exempt_tiers",
     "mode",
 )
+#: Written only when set (see the module docstring).
+_POLICY_FIELDS = ("fair_share", "weights")
 
 
 @dataclass(frozen=True)
 class Limits:
     """A limits table as stored: the default rate (``None``: pacing off), the
-    explicit entries and the pacing mode."""
+    explicit entries, the pacing mode and the fair-share policy."""
 
     default_rate: int | None
     table: LimitTable
     mode: Mode = Mode.ENFORCE
+    share: SharePolicy = field(default_factory=SharePolicy)
 
 
 def encode(limits: Limits) -> str:
     """``limits`` as the stored JSON document (keys sorted: equal tables give
     equal documents)."""
-    table = limits.table
-    return json.dumps(
-        {
-            "default_rate": limits.default_rate,
-            "user_rates": table.user_rates,
-            "tier_rates": table.tier_rates,
-            "memberships": table.memberships,
-            "exempt_users": sorted(table.exempt_users),
-            "exempt_tiers": sorted(table.exempt_tiers),
-            "mode": limits.mode.value,
-        },
-        sort_keys=True,
-        ensure_ascii=False,
-    )
+    table, share = limits.table, limits.share
+    document: dict[str, Any] = {
+        "default_rate": limits.default_rate,
+        "user_rates": table.user_rates,
+        "tier_rates": table.tier_rates,
+        "memberships": table.memberships,
+        "exempt_users": sorted(table.exempt_users),
+        "exempt_tiers": sorted(table.exempt_tiers),
+        "mode": limits.mode.value,
+    }
+    if share.enabled:
+        document["fair_share"] = True
+    if share.users or share.tiers:
+        document["weights"] = {"users": dict(share.users), "tiers": dict(share.tiers)}
+    return json.dumps(document, sort_keys=True, ensure_ascii=False)
 
 
 def decode(document: str | bytes) -> Limits:
@@ -81,7 +92,7 @@ def decode(document: str | bytes) -> Limits:
     if not isinstance(raw, dict):
         raise ValueError("limits document must be a JSON object")
     missing = [name for name in _FIELDS if name not in raw]
-    unknown = sorted(set(raw) - set(_FIELDS))
+    unknown = sorted(set(raw) - set(_FIELDS) - set(_POLICY_FIELDS))
     if missing or unknown:
         raise ValueError(
             f"limits document: missing fields {missing}, unknown fields {unknown}"
@@ -108,4 +119,26 @@ def decode(document: str | bytes) -> Limits:
         raw["exempt_users"],
         raw["exempt_tiers"],
     )
-    return Limits(default, table, mode)
+    return Limits(default, table, mode, _decode_policy(raw, table))
+
+
+def _decode_policy(raw: dict[str, Any], table: LimitTable) -> SharePolicy:
+    """The fair-share policy of a decoded document; ValueError naming what is
+    wrong (a weight out of range, a tier weight for a tier the table lacks)."""
+    enabled = raw.get("fair_share", False)
+    if not isinstance(enabled, bool):
+        raise ValueError("limits document: fair_share must be true or false")
+    weights = raw.get("weights", {})
+    if not isinstance(weights, dict) or set(weights) - {"users", "tiers"}:
+        raise ValueError("limits document: weights must be {users, tiers}")
+    users, tiers = weights.get("users", {}), weights.get("tiers", {})
+    if not isinstance(users, dict) or not isinstance(tiers, dict):
+        raise ValueError("limits document: weights' users and tiers must be objects")
+    for user in users:
+        validate_user(user, field="limits document: a weighted user id")
+    known = set(table.tier_rates) | set(table.exempt_tiers)
+    for tier in tiers:
+        if tier not in known:
+            raise ValueError(f"limits document: weight of unknown tier {tier!r}")
+    checked = Weights(users, tiers)  # ValueError naming a bad weight
+    return SharePolicy(enabled, checked.users, checked.tiers)

@@ -42,6 +42,12 @@ def ctl(served, capsys, monkeypatch):
     return run
 
 
-def entry(user: str, rate: int | None, tier=None, exempt=False) -> dict:
+def entry(user: str, rate: int | None, tier=None, exempt=False, weight=None) -> dict:
     """One user's entry as ``--json`` prints it."""
-    return {"user": user, "tokens_per_second": rate, "tier": tier, "exempt": exempt}
+    return {
+        "user": user,
+        "tokens_per_second": rate,
+        "tier": tier,
+        "exempt": exempt,
+        "weight": weight,
+    }

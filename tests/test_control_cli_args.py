@@ -19,6 +19,7 @@ RATE_RANGE = "argument rate: must be a whole number between 1 and 1000000, got"
 
 
 SURROGATE = "the user id must be well-formed Unicode"
+WEIGHT_RANGE = "must be a number above 0 and at most 1000000, got"
 
 
 USAGE_ERRORS = {
@@ -94,7 +95,25 @@ USAGE_ERRORS = {
     ),
     "update-tier-without-change": (
         ["update-tier", "free"],
-        "update-tier needs --rate, --no-rate, --exempt or --no-exempt",
+        "update-tier needs --rate, --no-rate, --exempt, --no-exempt, --weight or "
+        "--no-weight",
+    ),
+    "zero-weight": (["set-weight", "alice", "0"], f"{WEIGHT_RANGE} '0'"),
+    "negative-weight": (["set-weight", "alice", "-2"], f"{WEIGHT_RANGE} '-2'"),
+    "nan-weight": (["set-weight", "alice", "nan"], f"{WEIGHT_RANGE} 'nan'"),
+    "huge-weight": (["set-weight", "alice", "1e7"], f"{WEIGHT_RANGE} '1e7'"),
+    "text-weight": (["set-weight", "alice", "heavy"], f"{WEIGHT_RANGE} 'heavy'"),
+    "zero-tier-weight": (
+        ["create-tier", "free", "5", "--weight", "0"],
+        f"argument --weight: {WEIGHT_RANGE} '0'",
+    ),
+    "weight-and-no-weight": (
+        ["update-tier", "free", "--weight", "3", "--no-weight"],
+        "argument --no-weight: not allowed with argument --weight",
+    ),
+    "unknown-switch": (
+        ["set-fair-share", "maybe"],
+        "argument switch: invalid choice: 'maybe'",
     ),
     "rate-and-no-rate": (
         ["update-tier", "free", "--rate", "3", "--no-rate"],
@@ -114,7 +133,7 @@ def test_bad_arguments_are_one_line_usage_errors_and_send_nothing(ctl, rig, argv
     assert ": error: " in err
     assert part in err
     assert len(err.splitlines()) == 1
-    assert len(err) < 400  # the input is not echoed unbounded
+    assert len(err) < 500  # the input is not echoed unbounded
     assert "Traceback" not in err
     assert rig.limiter.default_rate == 10
     assert rig.limiter.user_rates == {"alice": 5, "bob": 20}

@@ -84,11 +84,14 @@ def test_watch_streams_updates_as_json_lines(ctl, rig):
 
 
 def test_get_and_set_the_pacing_mode(ctl, rig):
-    assert ctl("get-mode")[:2] == (0, "pacing mode: enforce\n")
+    assert ctl("get-mode")[:2] == (0, "pacing mode: enforce\nfair share: off\n")
     status, out, _ = ctl("--json", "set-mode", "shadow")
-    assert (status, json.loads(out)) == (0, {"pacing_mode": "shadow"})
+    assert (status, json.loads(out)) == (
+        0,
+        {"pacing_mode": "shadow", "fair_share": False},
+    )
     assert rig.shared.mode is Mode.SHADOW
-    assert ctl("set-mode", "off")[:2] == (0, "pacing mode: off\n")
+    assert ctl("set-mode", "off")[:2] == (0, "pacing mode: off\nfair share: off\n")
     assert rig.shared.mode is Mode.OFF
 
 
@@ -100,9 +103,9 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
     assert (status, out.splitlines()) == (
         0,
         [
-            "TIER   TOKENS/S  EXEMPT  MEMBERS",
-            "free         20      no        1",
-            "staff         -     yes        0",
+            "TIER   TOKENS/S  EXEMPT  WEIGHT  MEMBERS",
+            "free         20      no       -        1",
+            "staff         -     yes       -        0",
         ],
     )
     status, out, _ = ctl("--json", "update-tier", "free", "--rate", "30", "--exempt")
@@ -110,6 +113,7 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
         "tier": "free",
         "tokens_per_second": 30,
         "exempt": True,
+        "weight": None,
         "member_count": 1,
     }
     assert (rig.limiter.tier_rates, rig.limiter.exempt_tiers) == (
@@ -163,9 +167,9 @@ def test_membership_exemption_and_own_limit_are_separate_fields(ctl, rig):
     out = ctl("--json", "exempt", "dora")[1]  # no entry before
     assert json.loads(out) == entry("dora", None, exempt=True)
     assert ctl("list")[1].splitlines() == [
-        "USER  TOKENS/S  TIER  EXEMPT",
-        "bob         20     -      no",
-        "dora         -     -     yes",
+        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT",
+        "bob         20     -      no       -",
+        "dora         -     -     yes       -",
     ]
 
 

@@ -70,8 +70,9 @@ BAD_FILES = [
     ),
     (
         '{"users": {}, "user": {}}',
-        "unknown field(s) 'user'; expected 'mode', 'default_tokens_per_second', "
-        "'tiers', 'users', 'memberships', 'exempt_users', 'etag'",
+        "unknown field(s) 'user'; expected 'mode', 'fair_share', "
+        "'default_tokens_per_second', 'tiers', 'users', 'memberships', "
+        "'exempt_users', 'weights', 'etag'",
     ),
     (
         '{"default_tokens_per_second": 1.5}',
@@ -221,6 +222,7 @@ def test_every_accepted_change_is_written_atomically(path, rig):
         default_rate=7,
         user_rates={f"u{i}": i + 1 for i in range(20)},
         mode=Mode.ENFORCE,
+        fair_share=False,
     )
 
 
@@ -353,12 +355,16 @@ def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
     file = ConfigFile(tmp_path / "limits.json")
     service = LimitsService(rig.shared, persist=file.write)
     service.create_limit("a", 5)
-    assert file.load() == TableDocument(None, {"a": 5}, mode=Mode.ENFORCE)
+    assert file.load() == TableDocument(
+        None, {"a": 5}, mode=Mode.ENFORCE, fair_share=False
+    )
     assert service.get_limits_table("").default_tokens_per_second == 0
     assert rig.limiter.rate_of("a") == 0  # explicit limits wait for a default
     service.update_default_limit("", 9, [])
     assert rig.limiter.rate_of("a") == 5
-    assert file.load() == TableDocument(9, {"a": 5}, mode=Mode.ENFORCE)
+    assert file.load() == TableDocument(
+        9, {"a": 5}, mode=Mode.ENFORCE, fair_share=False
+    )
 
 
 def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
@@ -522,6 +528,7 @@ def test_tiers_memberships_and_exemptions_round_trip_through_the_file(path, rig)
         memberships={"bob": "free", "carol": "staff"},
         exempt_users=frozenset({"ops"}),
         mode=Mode.ENFORCE,
+        fair_share=False,
     )
     assert ConfigFile(path).load() == expected
     # A new engine process, started from the same flags: the file restores all.
@@ -578,11 +585,13 @@ def test_a_written_file_lists_every_section_for_operators_to_fill(path, rig):
     text = path.read_text()
     assert yaml.safe_load(text) == {  # JSON is YAML, too
         "mode": "enforce",
+        "fair_share": False,
         "default_tokens_per_second": 11,
         "tiers": {},
         "users": {"alice": 5},
         "memberships": {},
         "exempt_users": [],
+        "weights": {"users": {}, "tiers": {}},
     }
     if path.suffix == ".yaml":
         assert text.startswith("# Per-user output-token limits")

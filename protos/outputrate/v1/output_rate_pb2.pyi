@@ -24,32 +24,36 @@ class DefaultLimit(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class Limit(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag")
+    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     EXEMPT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     tier: str
     exempt: bool
     etag: str
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class Tier(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag")
+    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag", "weight")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     EXEMPT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     exempt: bool
     member_count: int
     etag: str
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class LimitsTable(_message.Message):
     __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers")
@@ -66,7 +70,7 @@ class LimitsTable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ...) -> None: ...
 
 class PacingMode(_message.Message):
-    __slots__ = ("name", "mode", "etag")
+    __slots__ = ("name", "mode", "etag", "fair_share")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[PacingMode.Mode]
@@ -80,13 +84,15 @@ class PacingMode(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: PacingMode.Mode
     etag: str
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[PacingMode.Mode, str]] = ..., etag: _Optional[str] = ...) -> None: ...
+    fair_share: bool
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[PacingMode.Mode, str]] = ..., etag: _Optional[str] = ..., fair_share: _Optional[bool] = ...) -> None: ...
 
 class UserState(_message.Message):
-    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late")
+    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late", "weight", "fair_share_service", "fair_share_preemptions", "fair_share", "fair_share_backlogged", "fair_share_lead")
     class LimitSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         LIMIT_SOURCE_UNSPECIFIED: _ClassVar[UserState.LimitSource]
@@ -119,6 +125,12 @@ class UserState(_message.Message):
     PACING_MODE_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_SERVICE_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_BACKLOGGED_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_LEAD_FIELD_NUMBER: _ClassVar[int]
     name: str
     user: str
     limit_tokens_per_second: int
@@ -137,7 +149,13 @@ class UserState(_message.Message):
     pacing_mode: PacingMode.Mode
     store: StoreView
     engine_late: _duration_pb2.Duration
-    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    weight: float
+    fair_share_service: float
+    fair_share_preemptions: int
+    fair_share: bool
+    fair_share_backlogged: bool
+    fair_share_lead: float
+    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., weight: _Optional[float] = ..., fair_share_service: _Optional[float] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share: _Optional[bool] = ..., fair_share_backlogged: _Optional[bool] = ..., fair_share_lead: _Optional[float] = ...) -> None: ...
 
 class StoreView(_message.Message):
     __slots__ = ("held_tokens", "global_tat_lead", "global_tat_read_age", "health")

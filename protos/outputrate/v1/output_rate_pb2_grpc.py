@@ -253,7 +253,9 @@ class OutputRateControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdatePacingMode(self, request, context):
-        """Switches the pacing mode at the next scheduling step (no restart).
+        """Switches the pacing mode or fair share at the next scheduling step (no
+        restart). Switching fair share on where the engine cannot run it (e.g.
+        `--scheduling-policy priority`): FAILED_PRECONDITION, with the reason.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
