@@ -131,10 +131,12 @@ def watch_states(shared: SharedLimiter, plan: WatchPlan) -> list[UserState]:
 
 
 def _users(shared: SharedLimiter, reading: Reading) -> set[str]:
-    """The users the limiter knows: with an entry, live requests or counters.
-    Requires shared.lock."""
+    """The users the limiter knows: with an entry (a weight alone included),
+    live requests or counters. Requires shared.lock."""
     limiter = shared.limiter
-    return reading.users().union(limiter.memberships, limiter.exempt_users)
+    return reading.users().union(
+        limiter.memberships, limiter.exempt_users, shared.fair_share.weights.users
+    )
 
 
 def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
@@ -144,6 +146,7 @@ def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
         reading.knows(user)
         or limiter.tier_of(user) is not None
         or user in limiter.exempt_users
+        or user in shared.fair_share.weights.users
     )
 
 
