@@ -448,11 +448,16 @@ class OutputRateSettings:
             "user_source": self.user_source.spec,
             "require_user": self.require_user,
             "metrics": asdict(self.metrics),
-            "fair_share": self.fair_share,
-            "fair_share_config": config_entry(self.fair_share_config),
-            "user_weights": dict(self.user_weights),
-            "tier_weights": dict(self.tier_weights),
         }
+        # Only when used: the entry of an operator who uses none stays as it was.
+        if self.fair_share:
+            entry["fair_share"] = True
+        if self.fair_share_config != FairShareSettings():
+            entry["fair_share_config"] = config_entry(self.fair_share_config)
+        if self.user_weights:
+            entry["user_weights"] = dict(self.user_weights)
+        if self.tier_weights:
+            entry["tier_weights"] = dict(self.tier_weights)
         if self.control is not None:
             entry["control"] = asdict(self.control)
         if self.store is not None:

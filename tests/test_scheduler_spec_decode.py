@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
+from tools.measure import max_over_gcra_bound_scaled
 from tools.scheduler_harness import (
     SYNC_AND_ASYNC,
     driven_scheduler,
@@ -115,21 +116,6 @@ def _admitted(output, request_id: str) -> bool:
     return request_id in {n.req_id for n in output.scheduled_new_reqs}
 
 
-def _max_over_bound_scaled(times_ns: list[int], rate: int) -> int:
-    """max over windows [t_i, t_j] of count - (W + 0.1)·R - 1, in tokens
-    times 1e9 (integer ns arithmetic): <= 0 iff every window is within the
-    bound. With g(k) = k·1e9 - t_k·R, a window's excess is g(j) - g(i) - 0.1 s·R,
-    so one pass with the running minimum of g finds the worst."""
-    burst = int(BURST_S * 1e9) * rate
-    worst = -burst
-    lowest = None
-    for k, t in enumerate(times_ns):
-        g = k * 10**9 - t * rate
-        lowest = g if lowest is None else min(lowest, g)
-        worst = max(worst, g - lowest - burst)
-    return worst
-
-
 @SYNC_AND_ASYNC
 @pytest.mark.parametrize("rate", [LIMIT, 120, 400, 1000])
 @pytest.mark.parametrize("acceptance", ["all", "none", "alternate"])
@@ -160,7 +146,7 @@ def test_spec_decode_stays_within_the_gcra_bound(
     received = [(at, n) for at, n in driver.received if n]
     times = [at for at, n in received for _ in range(n)]
     extra = DRAFTS * len(requests) if async_scheduling else 0
-    assert _max_over_bound_scaled(times, rate) <= extra * 10**9
+    assert max_over_gcra_bound_scaled(times, rate) <= extra * 10**9
     # Without accepted drafts the 4 streams take at most 4 tokens per 5 ms step
     # (800 tok/s), less than the highest rate.
     reachable = min(rate, 800) if acceptance == "none" else rate
@@ -172,9 +158,9 @@ def test_spec_decode_stays_within_the_gcra_bound(
 def test_the_bound_check_finds_a_window_over_the_bound():
     """The check above can fail: at 20 tok/s, 0.1 s·20 + 1 = 3 tokens at once
     are within the bound, 5 are 2 over it; a 4th 50 ms later is within."""
-    assert _max_over_bound_scaled([0, 0, 0], LIMIT) == 0
-    assert _max_over_bound_scaled([0] * 5, LIMIT) == 2 * 10**9
-    assert _max_over_bound_scaled([0, 0, 0, 50_000_000], LIMIT) == 0
+    assert max_over_gcra_bound_scaled([0, 0, 0], LIMIT) == 0
+    assert max_over_gcra_bound_scaled([0] * 5, LIMIT) == 2 * 10**9
+    assert max_over_gcra_bound_scaled([0, 0, 0, 50_000_000], LIMIT) == 0
 
 
 @SYNC_AND_ASYNC

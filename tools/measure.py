@@ -264,3 +264,22 @@ def assert_at_most_gcra(rate: UserRate, limit: float) -> None:
     )
     print(f"\n{report}")
     assert rate.tokens <= ceiling, report
+
+
+def max_over_gcra_bound_scaled(
+    times_ns: Sequence[int], rate: int, burst_ns: int = DEFAULT_BURST_NS
+) -> int:
+    """The largest excess over GCRA's bound of tokens dated ``times_ns``
+    (sorted): max over windows [t_i, t_j] of count - (W + burst)·R - 1, in
+    tokens times 1e9 (integer ns arithmetic); <= 0 iff every window is within
+    the bound. With g(k) = k·1e9 - t_k·R a window's excess is
+    g(j) - g(i) - burst·R, so one pass with the running minimum of g finds the
+    worst."""
+    burst = burst_ns * rate
+    worst = -burst
+    lowest = None
+    for k, t in enumerate(times_ns):
+        g = k * 10**9 - t * rate
+        lowest = g if lowest is None else min(lowest, g)
+        worst = max(worst, g - lowest - burst)
+    return worst

@@ -155,19 +155,21 @@ class FairShareSteps:
         if not waiting:
             return
         free = upstream.slots - upstream.held_slots()
+        yielded: list[Request] = []
         if len(waiting) > free:
-            free += self._yield_slots(waiting, free, keep)
+            yielded = self._yield_slots(waiting, free, keep)
+            free += len(yielded)
         if free > 0:
-            self._order_waiting()
+            self._order_waiting(last={id(r) for r in yielded})
 
     def _weight(self, user: str) -> float:
         return self.ledger.weights.of(user, self.tier_of(user))
 
     def _yield_slots(
         self, waiting: list[Request], free: int, keep: Collection[str]
-    ) -> int:
+    ) -> list[Request]:
         """Preempts running requests for waiting ones under rules 1-3 of the
-        module docstring; returns how many yielded."""
+        module docstring; returns those that yielded."""
         ledger = self.ledger
         counter = ledger.counter
         hysteresis = ledger.settings.hysteresis
@@ -188,7 +190,7 @@ class FairShareSteps:
             ):
                 candidates.setdefault(user, []).append(request)
         if not candidates:
-            return 0
+            return []
         for requests in candidates.values():
             requests.sort(key=lambda r: -r.num_computed_tokens)  # pop(): fewest
         weights = {user: self._weight(user) for user in held}
@@ -196,7 +198,7 @@ class FairShareSteps:
             waiting,
             key=lambda r: counter.get(user_of.get(r.request_id, ANONYMOUS_USER), 0.0),
         )
-        yielded = 0
+        yielded: list[Request] = []
         for request in receivers[free:]:
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             mine = counter.get(user, 0.0)
@@ -221,19 +223,25 @@ class FairShareSteps:
             held[victim_user] -= 1
             held[user] = held.get(user, 0) + 1
             self.accounting.record(victim_user, "fair_share_preemptions")
-            yielded += 1
+            yielded.append(victim)
         return yielded
 
-    def _order_waiting(self) -> None:
-        """Sorts the waiting queue by projected counters (VTC's admission)."""
+    def _order_waiting(self, last: set[int]) -> None:
+        """Sorts the waiting queue by projected counters (VTC's admission);
+        the requests that yielded in this step (``last``: their ids) go last,
+        so that none is readmitted in the step it yielded."""
         upstream = self.upstream
         ledger = self.ledger
         user_of = self.book.user_of
         queues: dict[str, list[Request]] = {}
+        behind: list[Request] = []
         for request in upstream.waiting:
+            if id(request) in last:
+                behind.append(request)
+                continue
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             queues.setdefault(user, []).append(request)
-        if len(queues) < 2:
+        if len(queues) < 2 and not behind:
             return
         projected = {user: ledger.of(user) for user in queues}
         weights = {user: self._weight(user) for user in queues}
@@ -252,7 +260,7 @@ class FairShareSteps:
                 heads[user] = index + 1
             else:
                 del heads[user]
-        upstream.reorder_waiting(order)
+        upstream.reorder_waiting(order + behind)
 
     # -- step end --------------------------------------------------------------
 
