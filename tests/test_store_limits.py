@@ -5,9 +5,11 @@ and on a real ``redis-server``."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from pacing.fair_share_policy import SharePolicy
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from store.limits_table import Limits, decode, encode
@@ -52,6 +54,36 @@ def test_the_mode_is_part_of_the_document():
     assert json.loads(encode(limits))["mode"] == "shadow"
     assert decode(encode(limits)).mode is Mode.SHADOW
     assert decode(encode(Limits(30, LimitTable()))).mode is Mode.ENFORCE
+
+
+def test_the_fair_share_policy_travels_only_when_it_holds_something():
+    plain = json.loads(encode(full_table()))
+    assert "fair_share" not in plain and "weights" not in plain
+    assert decode(encode(full_table())).share == SharePolicy()
+    limits = Limits(
+        30,
+        full_table().table,
+        share=SharePolicy(True, {"alice": 2.5}, {"pro": 4.0}),
+    )
+    back = decode(encode(limits))
+    assert back.share == SharePolicy(True, {"alice": 2.5}, {"pro": 4.0})
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"fair_share": "yes"}, "fair_share must be true or false"),
+        ({"weights": {"groups": {}}}, "weights must be {users, tiers}"),
+        ({"weights": {"users": []}}, "users and tiers must be objects"),
+        ({"weights": {"users": {"alice": 0}}}, "must be in (0, 1e+06]"),
+        ({"weights": {"tiers": {"gold": 2}}}, "weight of unknown tier 'gold'"),
+        ({"weights": {"users": {"a\x01": 2}}}, "weighted user id"),
+    ],
+)
+def test_a_bad_fair_share_policy_is_refused(policy, message):
+    document = {**json.loads(encode(full_table())), **policy}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode(json.dumps(document))
 
 
 def test_pacing_off_is_a_null_default():

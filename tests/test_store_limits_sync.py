@@ -270,6 +270,42 @@ def test_the_pacing_mode_is_global_and_leaves_the_table_alone(redis_url, client)
             assert state.mode == pb.PacingMode.OFF
 
 
+def test_weights_and_the_fair_share_switch_reach_every_engine(redis_url, client):
+    """The policy is global (one switch, one set of weights); the counters stay
+    each engine's. An engine that cannot run fair share keeps it off."""
+    with fleet(redis_url, 3) as engines:
+        first, second, refusing = engines
+        refusing.rig.shared.fair_share.refusal = "not under priority scheduling"
+        second.rig.shared.fair_share.counter["alice"] = 77.0
+        etag = table_etag(second)
+        first.stub.UpdateLimit(
+            pb.UpdateLimitRequest(
+                limit=pb.Limit(name="limits/alice", weight=3.0), allow_missing=True
+            )
+        )
+        first.stub.UpdatePacingMode(
+            pb.UpdatePacingModeRequest(pacing_mode=pb.PacingMode(fair_share=True))
+        )
+        wait_for(
+            lambda: all(
+                e.rig.shared.fair_share.weights.users == {"alice": 3.0} for e in engines
+            ),
+            SPREAD_S,
+        )
+        wait_for(lambda: second.rig.shared.fair_share.enabled, SPREAD_S)
+        wait_for(lambda: refusing.sync.version == second.sync.version, SPREAD_S)
+        limits = stored(client)[1]
+        assert (limits.share.enabled, dict(limits.share.users)) == (
+            True,
+            {"alice": 3.0},
+        )
+        assert table_etag(second) != etag  # a weight is a change of the table
+        assert second.rig.shared.fair_share.counter == {"alice": 77.0}
+        assert refusing.rig.shared.fair_share.enabled is False
+        limit = second.stub.GetLimit(pb.GetLimitRequest(name="limits/alice"))
+        assert limit.weight == 3.0
+
+
 def test_a_lost_message_is_made_good_by_the_periodic_read(redis_url, client):
     with fleet(redis_url, 2, period_s=0.2) as engines:
         version = write_unannounced(client, Limits(33, LimitTable({"bob": 3})))
