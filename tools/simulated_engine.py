@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pacing.claims import ClaimedBalances
+from pacing.claims import DEFAULT_HORIZON_NS, ClaimedBalances
 from pacing.limiter import OutputRateLimiter
 from pacing.store_stats import StoreStats
 from store.claimer import Claimer
@@ -49,12 +49,15 @@ class SimulatedEngine:
         rate: int,
         streams: int = 2,
         step_s: float = 0.005,
+        horizon_ns: int = DEFAULT_HORIZON_NS,
     ) -> None:
         self.users = users
         self.streams = streams
         self.step_s = step_s
         self.lock = TimedLock()
-        self.balances = ClaimedBalances(OutputRateLimiter(rate, {}))
+        self.balances = ClaimedBalances(
+            OutputRateLimiter(rate, {}), horizon_ns=horizon_ns
+        )
         self.store = store
         self.stats = StoreStats()
         self.claimer = Claimer(
