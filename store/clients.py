@@ -43,11 +43,6 @@ class LazyCluster:
                 self._client = self._build()
             return self._client
 
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-
 
 Client = redis.Redis | RedisCluster | LazyCluster
 
