@@ -56,7 +56,7 @@ MAX_PENDING_IDLE_WAITS = 1024
 _RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
 #: A user's counters as a tuple in ``COUNTER_FIELDS`` order (one C call).
 _counter_values = attrgetter(*COUNTER_FIELDS)
-_ZEROS = (0,) * len(COUNTER_FIELDS)
+_ZEROS: tuple[float, ...] = (0,) * len(COUNTER_FIELDS)
 
 
 class _Labels:
