@@ -85,7 +85,8 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
     """What the metrics payload of ``scheduler`` (an ``OutputRateSchedulerMixin``)
     reports that can change without a step: control-plane counters (every limit
     change bumps ``limit_changes``), the default limit, the event totals, the
-    tracked users and, with a store, its traffic and state (an idle engine's
+    tracked users, the fair-share switch (a store may switch it without an RPC
+    here) and, with a store, its traffic and state (an idle engine's
     claimer still sends heartbeats, and the store may stop answering). Equal
     fingerprints: nothing new to report.
 
@@ -93,12 +94,14 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
     and a locked snapshot, and a read torn by a running step only sees news that
     the step's own payload reports.
     """
-    store = scheduler.output_rate_shared.store_stats
+    shared = scheduler.output_rate_shared
+    store = shared.store_stats
     return (
-        scheduler.output_rate_shared.control_snapshot(),
+        shared.control_snapshot(),
         scheduler.limiter.default_rate,
         dataclasses.astuple(scheduler.accounting.total),
         scheduler.limiter.tracked_users(),
+        shared.fair_share.enabled,
         None if store is None else store.fingerprint(),
     )
 

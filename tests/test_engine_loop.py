@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -22,6 +23,9 @@ from control.plugin import register as register_control_plane
 from engine_ext import hooks, idle_stats, payload_parser
 from engine_ext.plugin import register
 from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
+from pacing.accounting import Accounting
+from pacing.limiter import OutputRateLimiter
+from pacing.shared import SharedLimiter
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tools.fake_clock import FakeClock
@@ -190,6 +194,20 @@ def test_freshness_asks_only_when_a_change_is_owed_and_no_step_runs():
     freshness = idle_stats.Freshness()
     for step, (fingerprint, built, asked, asks) in enumerate(FRESHNESS_ROWS):
         assert freshness.check(fingerprint, built, asked) is asks, f"c{step}"
+
+
+def test_the_fingerprint_changes_when_fair_share_is_switched_without_an_rpc():
+    """A global store switches fair share on an idle engine without an RPC
+    there (nothing else in the fingerprint moves): the gauge is owed."""
+    shared = SharedLimiter(OutputRateLimiter(10, {}), Accounting(), FakeClock())
+    scheduler = SimpleNamespace(
+        output_rate_shared=shared,
+        limiter=shared.limiter,
+        accounting=shared.accounting,
+    )
+    before = idle_stats.fingerprint(scheduler)
+    shared.fair_share.enabled = True
+    assert idle_stats.fingerprint(scheduler) != before
 
 
 class IdleEngine:
