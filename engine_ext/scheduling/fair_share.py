@@ -145,31 +145,41 @@ class FairShareSteps:
         upstream = self.upstream
         if upstream.waiting_count() == 0:
             return
+        order = self._fair_order()
         user_of = book.user_of
-        waiting = [
+        receivers = [
             r
-            for r in upstream.waiting
+            for r in order
             if r.status in STARTABLE
             and can_start(user_of.get(r.request_id, ANONYMOUS_USER))
         ]
-        if not waiting:
+        if not receivers:
             return
         free = upstream.slots - upstream.held_slots()
-        yielded: list[Request] = []
-        if len(waiting) > free:
-            yielded = self._yield_slots(waiting, free, keep)
-            free += len(yielded)
-        if free > 0:
-            self._order_waiting(last={id(r) for r in yielded})
+        if len(receivers) <= free:
+            if free > 0:
+                upstream.reorder_waiting(order)
+            return
+        chosen, yielded = self._yield_slots(receivers, free, keep)
+        if free > 0 or yielded:
+            # The slots go where they were freed for; a request that yielded
+            # is not readmitted in the step it yielded.
+            first = {id(r) for r in chosen}
+            last = {id(r) for r in yielded}
+            rest = [r for r in order if id(r) not in first and id(r) not in last]
+            upstream.reorder_waiting(chosen + rest + yielded)
 
     def _weight(self, user: str) -> float:
         return self.ledger.weights.of(user, self.tier_of(user))
 
     def _yield_slots(
-        self, waiting: list[Request], free: int, keep: Collection[str]
-    ) -> list[Request]:
-        """Preempts running requests for waiting ones under rules 1-3 of the
-        module docstring; returns those that yielded."""
+        self, receivers: list[Request], free: int, keep: Collection[str]
+    ) -> tuple[list[Request], list[Request]]:
+        """Hands the free slots to the first receivers, then preempts running
+        requests for the others under rules 1-3 of the module docstring, one
+        slot at a time to the receiving user with the fewest slots per weight;
+        returns the receivers given a slot, in that order, and the requests
+        that yielded."""
         ledger = self.ledger
         counter = ledger.counter
         hysteresis = ledger.settings.hysteresis
@@ -179,9 +189,9 @@ class FairShareSteps:
         held: dict[str, int] = {}
         candidates: dict[str, list[Request]] = {}
         for request in upstream.running:
-            user = user_of.get(request.request_id, ANONYMOUS_USER)
-            held[user] = held.get(user, 0) + 1
             request_id = request.request_id
+            user = user_of.get(request_id, ANONYMOUS_USER)
+            held[user] = held.get(user, 0) + 1
             floor = self.run_floor.get(request_id, min_run)
             if (
                 request.num_output_tokens >= floor
@@ -189,60 +199,66 @@ class FairShareSteps:
                 and upstream.blocks_can_be_freed(request)
             ):
                 candidates.setdefault(user, []).append(request)
+        chosen = receivers[: max(0, free)]
+        pending: dict[str, list[Request]] = {}
+        for request in chosen:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            held[user] = held.get(user, 0) + 1
+        for request in reversed(receivers[len(chosen) :]):  # pop(): fair order
+            pending.setdefault(
+                user_of.get(request.request_id, ANONYMOUS_USER), []
+            ).append(request)
+        yielded: list[Request] = []
         if not candidates:
-            return []
+            return chosen, yielded
         for requests in candidates.values():
             requests.sort(key=lambda r: -r.num_computed_tokens)  # pop(): fewest
-        weights = {user: self._weight(user) for user in held}
-        receivers = sorted(
-            waiting,
-            key=lambda r: counter.get(user_of.get(r.request_id, ANONYMOUS_USER), 0.0),
-        )
-        yielded: list[Request] = []
-        for request in receivers[free:]:
-            user = user_of.get(request.request_id, ANONYMOUS_USER)
+        weights = {user: self._weight(user) for user in held.keys() | pending.keys()}
+
+        def per_weight(user: str) -> float:
+            return held.get(user, 0) / weights[user]
+
+        while pending:
+            user = min(pending, key=lambda u: (per_weight(u), counter.get(u, 0.0)))
             mine = counter.get(user, 0.0)
-            weight = weights.get(user) or self._weight(user)
-            per_weight = held.get(user, 0) / weight
             victim_user = max(
                 (
                     v
-                    for v, reqs in candidates.items()
-                    if reqs
+                    for v, requests in candidates.items()
+                    if requests
                     and v != user
                     and counter.get(v, 0.0) - mine > hysteresis
-                    and held[v] / weights[v] > per_weight
+                    and per_weight(v) > per_weight(user)
                 ),
-                key=lambda v: counter.get(v, 0.0),
+                key=lambda v: (per_weight(v), counter.get(v, 0.0)),
                 default=None,
             )
             if victim_user is None:
+                del pending[user]
                 continue
             victim = candidates[victim_user].pop()
             upstream.preempt(victim)
-            held[victim_user] -= 1
-            held[user] = held.get(user, 0) + 1
             self.accounting.record(victim_user, "fair_share_preemptions")
             yielded.append(victim)
-        return yielded
+            held[victim_user] -= 1
+            held[user] = held.get(user, 0) + 1
+            chosen.append(pending[user].pop())
+            if not pending[user]:
+                del pending[user]
+        return chosen, yielded
 
-    def _order_waiting(self, last: set[int]) -> None:
-        """Sorts the waiting queue by projected counters (VTC's admission);
-        the requests that yielded in this step (``last``: their ids) go last,
-        so that none is readmitted in the step it yielded."""
-        upstream = self.upstream
+    def _fair_order(self) -> list[Request]:
+        """The waiting queue in VTC's admission order: the user with the
+        smallest projected counter first, each user's requests in their order,
+        a request's prompt cost added to its user as it is placed."""
         ledger = self.ledger
         user_of = self.book.user_of
         queues: dict[str, list[Request]] = {}
-        behind: list[Request] = []
-        for request in upstream.waiting:
-            if id(request) in last:
-                behind.append(request)
-                continue
+        for request in self.upstream.waiting:
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             queues.setdefault(user, []).append(request)
-        if len(queues) < 2 and not behind:
-            return
+        if len(queues) < 2:
+            return next(iter(queues.values()), [])
         projected = {user: ledger.of(user) for user in queues}
         weights = {user: self._weight(user) for user in queues}
         heads = dict.fromkeys(queues, 0)
@@ -260,7 +276,7 @@ class FairShareSteps:
                 heads[user] = index + 1
             else:
                 del heads[user]
-        upstream.reorder_waiting(order + behind)
+        return order
 
     # -- step end --------------------------------------------------------------
 
