@@ -51,7 +51,7 @@ class Accounting:
         for many users; read it only while nothing records)."""
         return MappingProxyType(self._users)
 
-    def record(self, user: str, event: str, count: int = 1) -> None:
+    def record(self, user: str, event: str, count: float = 1) -> None:
         """Adds ``count`` to counter ``event`` (a ``UserCounters`` field name)."""
         counters = self._users.get(user)
         if counters is None:

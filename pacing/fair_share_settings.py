@@ -57,6 +57,7 @@ def parse_fair_share_config(value: object, where: str) -> FairShareSettings:
     if value is None:
         return FairShareSettings()
     check_keys(value, where, field_names(FairShareSettings))
+    assert isinstance(value, Mapping)  # check_keys refuses anything else
     try:
         return FairShareSettings(**value)
     except (TypeError, ValueError) as exc:
