@@ -11,11 +11,14 @@ to the payload's shape bumps ``PAYLOAD_VERSION``, which the parser checks first.
 
 Transport: vLLM sends ``SchedulerStats`` from the engine core to the API process
 inside every ``EngineCoreOutputs`` (msgpack). Its ``kv_connector_stats`` field is an
-untyped ``dict[str, Any]`` that only KV connectors fill, and KV connectors are
-refused with pacing on, so the payload travels there under ``PAYLOAD_KEY``. The API
-process's stat logger (``engine_ext.metrics``) removes it again before vLLM's own
-loggers look at the field: vLLM's logging stat logger crashes on a non-empty
-``kv_connector_stats`` when no connector is configured.
+untyped ``dict[str, Any]`` that only KV connectors fill, with keys of their own, so
+the payload travels there beside them under ``PAYLOAD_KEY``. The API process's stat
+logger (``engine_ext.metrics``) removes it again before vLLM's own loggers look at
+the field, leaving a connector's stats as the connector made them: vLLM's logging
+stat logger crashes on a non-empty ``kv_connector_stats`` when no connector is
+configured, and with one it hands the whole field to the connector's
+``build_kv_connector_stats`` (tests/test_e2e_pd_disaggregation.py runs a connector
+that reports stats and refuses any key but its own).
 
 Semantics: counters are *deltas* since the previous payload, exactly like vLLM's own
 prefix-cache stats. vLLM hands each step's stats to one API process only, so with

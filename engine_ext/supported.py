@@ -40,11 +40,6 @@ def check_supported(vllm_config: Any) -> None:
             "run it, so pacing with it was never run end to end)",
         ),
         (
-            vllm_config.kv_transfer_config is not None,
-            "--kv-transfer-config: KV connectors are not supported (pacing with a "
-            "connector is checked on the scheduler only, never run end to end)",
-        ),
-        (
             vllm_config.ec_transfer_config is not None,
             "--ec-transfer-config: EC connectors are not supported",
         ),

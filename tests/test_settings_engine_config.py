@@ -5,6 +5,7 @@ naming the option, and data parallel, which needs the store."""
 from __future__ import annotations
 
 import pytest
+from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 
 from engine_ext import hooks
@@ -85,7 +86,6 @@ def _vllm_config(tiny_model_dir):
             lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2),
             "--pipeline-parallel-size",
         ),
-        (lambda c: setattr(c, "kv_transfer_config", object()), "--kv-transfer-config"),
         (lambda c: setattr(c, "ec_transfer_config", object()), "--ec-transfer-config"),
         (
             lambda c: setattr(c.cache_config, "kv_offloading_size", 1.0),
@@ -107,6 +107,19 @@ def test_unsupported_configurations_are_refused_naming_the_option(
     check_supported(vllm_config)  # the plain tiny model is fine
     mutate(vllm_config)
     with pytest.raises(SettingsError, match=option):
+        check_supported(vllm_config)
+
+
+def test_kv_connectors_run_with_pacing(tiny_model_dir):
+    """Prefill/decode disaggregation: the decode server paces
+    (tests/test_e2e_pd_disaggregation.py); KV offload stays refused."""
+    vllm_config = _vllm_config(tiny_model_dir)
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_consumer"
+    )
+    check_supported(vllm_config)
+    vllm_config.cache_config.kv_offloading_size = 1.0
+    with pytest.raises(SettingsError, match="--kv-offloading-size"):
         check_supported(vllm_config)
 
 

@@ -183,10 +183,11 @@ def start_paced_server(
     workdir: Path,
     user_rates: dict[str, int],
     extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> VllmServer:
     """Our server with pacing on (1,000 tok/s by default, ``user_rates`` for the
     users named) and a control plane on a free loopback port, logging to
-    ``workdir/vllm.log``."""
+    ``workdir/vllm.log`` (``env``: added to the server's environment)."""
     control_address = f"127.0.0.1:{free_port()}"
     server = start_server(
         model_dir,
@@ -200,6 +201,7 @@ def start_paced_server(
             control_address,
             *extra_args,
         ],
+        env=env,
     )
     server.control_address = control_address
     return server
