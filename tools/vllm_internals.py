@@ -311,6 +311,20 @@ SCHEDULER: tuple[Internal, ...] = (
         FIELD,
         UPSTREAM_PY,
     ),
+    *(
+        Internal(
+            "vllm.v1.core.sched.request_queue",
+            "RequestQueue",
+            name,
+            "method",
+            signature,
+            UPSTREAM_PY,
+        )
+        for name, signature in (
+            ("add_request", "@abstractmethod (self, request)"),
+            ("remove_requests", "@abstractmethod (self, requests)"),
+        )
+    ),
 )
 
 REQUEST: tuple[Internal, ...] = (
@@ -324,6 +338,7 @@ REQUEST: tuple[Internal, ...] = (
             "priority": INSTANCE,
             "arrival_time": INSTANCE,
             "num_tokens": PROPERTY,
+            "num_prompt_tokens": INSTANCE,
             "num_computed_tokens": INSTANCE,
             "num_output_placeholders": INSTANCE,
             "num_output_tokens": PROPERTY,
