@@ -1,8 +1,8 @@
 """Weighted fair share in the step: who is served when the engine is saturated.
 
 With fair share on (``pacing.fair_share``: the ledger, its counters and the
-lift) every step, free or paced, does three things around upstream's
-``schedule()``; caps are untouched (a user without budget is not eligible):
+lift) every step, free or paced, does these around upstream's ``schedule()``;
+caps are untouched (a user without budget is not eligible):
 
 - *Lift* (step start): users that became backlogged and eligible since the last
   step are lifted to the smallest counter of the others.
@@ -19,13 +19,16 @@ lift) every step, free or paced, does three things around upstream's
      (``run_floor``): every admission earns that many tokens before the
      request may yield again, so no request thrashes.
 
-  Receivers are taken in fair order, victims from the user furthest ahead,
-  its request with the fewest computed tokens first (the cheapest recompute).
-- *Order* (step start, when a slot is free for a waiting request): the waiting
-  queue is sorted by the users' counters, each user's requests in their order,
-  a request's projected prompt cost added to its user as it is placed
-  (VTC's admission loop). Requests in upstream's KV-holding queue are not
-  moved.
+  Free slots go to the first receivers in fair order; then slots move one at
+  a time, to the receiving user with the fewest slots per weight, from the
+  user with the most (the one furthest ahead among equals), its request with
+  the fewest computed tokens first (the cheapest recompute).
+- *Order* (step start, when a slot is free or was freed): the waiting queue in
+  VTC's admission order (the users' counters, each user's requests in their
+  order, a request's projected prompt cost added to its user as it is
+  placed), the receivers a slot was freed for first and the requests that
+  yielded last (none is readmitted in the step it yielded). Requests in
+  upstream's KV-holding queue are not moved.
 - *Service* (step end): each scheduled request's positions computed for the
   first time are charged to its user: prompt positions at ``prompt_price``,
   positions from the last prompt token on (each samples an output token) at
