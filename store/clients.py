@@ -63,12 +63,12 @@ def connect(
     auth = {"username": address.username, "password": password}
     if address.topology is Topology.CLUSTER:
         return LazyCluster(lambda: _cluster(address, {**timeouts, **tls, **auth}))
-    # redis-py leaves Sentinel unannotated.
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        list(address.nodes), sentinel_kwargs={**timeouts, **tls}
-    )
+    # Typed as Any: redis-py annotates Sentinel in some releases and not in
+    # others, and its master_for keyword types differ between them.
+    sentinel_class: Any = Sentinel
+    sentinel = sentinel_class(list(address.nodes), sentinel_kwargs={**timeouts, **tls})
     assert address.master is not None  # parse_url requires one
-    master: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    master: redis.Redis = sentinel.master_for(
         address.master, db=address.db, **timeouts, **tls, **auth
     )
     return master
