@@ -51,6 +51,8 @@ def switch_fair_share(server: VllmServer, on: bool) -> None:
     """Switches fair share on or off live, through the control plane."""
     request = pb.UpdatePacingModeRequest(pacing_mode=pb.PacingMode(fair_share=on))
     request.update_mask.paths.append("fair_share")
+    if server.control_address is None:
+        raise ValueError("the server has no control plane")
     with grpc.insecure_channel(server.control_address) as channel:
         got = pb_grpc.OutputRateControlStub(channel).UpdatePacingMode(request)
     if got.fair_share is not on:
@@ -64,12 +66,15 @@ class Snapshots:
 
     address: str
     reads: list[dict[str, int]] = field(default_factory=list)
+    #: When each read was asked for (monotonic seconds).
+    read_at: list[float] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def poll(self) -> None:
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.OutputRateControlStub(channel)
             while not self.stop.is_set():
+                self.read_at.append(time.monotonic())
                 page = stub.ListUserStates(pb.ListUserStatesRequest(page_size=100))
                 self.reads.append({s.user: s.tokens_charged for s in page.user_states})
                 self.stop.wait(READ_EVERY_S)
@@ -93,6 +98,8 @@ class WorkloadRun:
     requests: list[Completed]
     wall_s: float
     reads: list[dict[str, int]]
+    read_at: list[float]
+    light_sent_at: float  #: when the light requests were sent (monotonic s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,13 +123,16 @@ def run_workload(
         poller.start()
     try:
         started = time.monotonic()
-        requests = asyncio.run(_flood_then_light(server, run, stream_light, flood))
+        sent: list[float] = []
+        requests = asyncio.run(
+            _flood_then_light(server, run, stream_light, flood, sent)
+        )
         wall_s = time.monotonic() - started
     finally:
         snapshots.stop.set()
         if poller.is_alive():
             poller.join()
-    return WorkloadRun(requests, wall_s, snapshots.reads)
+    return WorkloadRun(requests, wall_s, snapshots.reads, snapshots.read_at, sent[0])
 
 
 async def _complete(
@@ -154,10 +164,10 @@ async def _stream(
 
 
 async def _flood_then_light(
-    server: VllmServer, run: str, stream_light: bool, flood: bool
+    server: VllmServer, run: str, stream_light: bool, flood: bool, sent: list[float]
 ) -> list[Completed]:
     """The flooder's 24 requests, then, once the server reports 16 waiting
-    (all 24 queued), the light users' 4 each."""
+    (all 24 queued), the light users' 4 each (when: appended to ``sent``)."""
     flooder, *light = users(run)
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(
@@ -175,6 +185,7 @@ async def _flood_then_light(
             if _gauge(metrics, "vllm:num_requests_waiting") >= FLOOD_STREAMS - SLOTS:
                 break
         send = _stream if stream_light else _complete
+        sent.append(time.monotonic())
         lights = [
             send(client, server.model, user, LIGHT_TOKENS)
             for user in light
@@ -222,11 +233,29 @@ def all_served_window(
     to the last read before any of them has all its ``demand`` tokens or is
     gone (its counters are dropped once its last request ended; the flooder's
     too, under FCFS). None when no read has every light user charged."""
-    light = users[1:]
     rows = [{u: read.get(u, 0) for u in users} for read in reads]
-    first = next((i for i, row in enumerate(rows) if all(row[u] for u in light)), None)
-    if first is None:
-        return None
+    first = next(
+        (i for i, row in enumerate(rows) if all(row[u] for u in users[1:])), None
+    )
+    return None if first is None else _window_from(rows, first, users, demand)
+
+
+def backlogged_window(run: WorkloadRun, users: Sequence[str], demand: int) -> Window:
+    """The window while all of ``users`` (the flooder first) have requests in
+    the server: from the first read asked for after the light requests were
+    sent (served or not) to the last read before any user is gone or any light
+    user has all its ``demand`` tokens. Under FCFS the light users wait in it."""
+    rows = [{u: read.get(u, 0) for u in users} for read in run.reads]
+    first = next(i for i, at in enumerate(run.read_at) if at >= run.light_sent_at)
+    return _window_from(rows, first, users, demand)
+
+
+def _window_from(
+    rows: Sequence[dict[str, int]], first: int, users: Sequence[str], demand: int
+) -> Window:
+    """From read ``first`` to the last read before any of ``users`` is gone
+    or any light user (``users[1:]``) has all its ``demand`` tokens."""
+    light = users[1:]
     last = first
     while (
         last + 1 < len(rows)
