@@ -612,6 +612,10 @@ _HOSTILE_BY_TYPE: dict[int, st.SearchStrategy[Any]] = {
     _FD.TYPE_INT64: _rates,
     _FD.TYPE_INT32: _int32,
     _FD.TYPE_BOOL: st.booleans(),
+    # Weights: 0 (unset), out of range, not a number.
+    _FD.TYPE_DOUBLE: st.one_of(
+        st.sampled_from([0.0, -1.0, 1e7, float("inf"), float("nan")]), st.floats()
+    ),
     _FD.TYPE_STRING: _text,
     _FD.TYPE_ENUM: _modes,
 }
