@@ -69,7 +69,9 @@ def test_with_fair_share_each_user_gets_a_quarter_while_all_stream(
         f"\nshares over reads {window.first}..{window.last} of {len(run.reads)}, "
         f"{total} tokens: {shares}"
     )
-    assert window.last - window.first >= 3 and total >= 4000
+    # Each read is one consistent snapshot: two reads 4,000 tokens apart
+    # measure the shares however slowly a loaded machine answers them.
+    assert window.last > window.first and total >= 4000
     for user, share in shares.items():
         assert 0.18 <= share <= 0.32, (user, shares)
 
