@@ -63,7 +63,7 @@ def test_no_served_window_when_the_light_users_are_served_one_after_another():
     assert all_served_window(reads, USERS, DEMAND) is None
 
 
-def test_the_backlogged_window_starts_at_the_first_read_after_the_light_were_sent():
+def test_the_backlogged_window_starts_at_the_first_read_taken_after_the_light_sent():
     reads = [{"f": 10}, {"f": 20}, {"f": 30}, {"f": 40, "a": 1}, {"a": 9, "b": 1}]
     run = WorkloadRun([], 1.0, reads, [0.0, 1.0, 2.0, 3.0, 4.0], light_sent_at=0.5)
     window = backlogged_window(run, USERS, DEMAND)

