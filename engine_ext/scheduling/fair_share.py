@@ -43,7 +43,10 @@ queue's order is the priorities', and fair share refuses to run
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+import heapq
+from collections.abc import Callable, Collection, Iterator, Mapping
+from itertools import pairwise, takewhile
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.upstream import STARTABLE, Upstream
@@ -128,18 +131,18 @@ class FairShareSteps:
 
     def before_step(
         self,
-        eligible: Callable[[str], bool],
+        ineligible: Collection[str],
         can_start: Callable[[str], bool],
         keep: Collection[str] = (),
     ) -> None:
         """Lifts, yields slots and orders the waiting queue for this step.
-        ``eligible(user)``: whether a backlogged user counts as eligible (for
-        the lift and the gap); ``can_start(user)``: whether a waiting request
-        of the user can start now; ``keep``: running request ids that never
-        yield here."""
+        ``ineligible``: users that do not count as eligible while backlogged
+        (for the lift and the gap); ``can_start(user)``: whether a waiting
+        request of the user can start now; ``keep``: running request ids that
+        never yield here."""
         book = self.book
         ledger = self.ledger
-        backlogged = {user for user in book.live if eligible(user)}
+        backlogged = book.live.keys() - ineligible
         entering = backlogged - self.backlogged
         if entering:
             ledger.lift(entering, backlogged)
@@ -168,8 +171,7 @@ class FairShareSteps:
             # The slots go where they were freed for; a request that yielded
             # is not readmitted in the step it yielded.
             first = {id(r) for r in chosen}
-            last = {id(r) for r in yielded}
-            rest = [r for r in order if id(r) not in first and id(r) not in last]
+            rest = [r for r in order if id(r) not in first]
             upstream.reorder_waiting(chosen + rest + yielded)
 
     def _weight(self, user: str) -> float:
@@ -203,17 +205,25 @@ class FairShareSteps:
             ):
                 candidates.setdefault(user, []).append(request)
         chosen = receivers[: max(0, free)]
+        if not candidates or len(chosen) == len(receivers):
+            return chosen, []
+        rest = receivers[len(chosen) :]
+        # Counters do not change here: unless a candidate is more than the
+        # hysteresis ahead of some receiver, no slot can move (rule 1).
+        lead = max(counter.get(v, 0.0) for v in candidates)
+        behind = min(
+            counter.get(user_of.get(r.request_id, ANONYMOUS_USER), 0.0) for r in rest
+        )
+        if lead - behind <= hysteresis:
+            return chosen, []
         pending: dict[str, list[Request]] = {}
-        for request in chosen:
-            user = user_of.get(request.request_id, ANONYMOUS_USER)
-            held[user] = held.get(user, 0) + 1
-        for request in reversed(receivers[len(chosen) :]):  # pop(): fair order
+        for request in reversed(rest):  # pop(): fair order
             pending.setdefault(
                 user_of.get(request.request_id, ANONYMOUS_USER), []
             ).append(request)
-        yielded: list[Request] = []
-        if not candidates:
-            return chosen, yielded
+        for request in chosen:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            held[user] = held.get(user, 0) + 1
         for requests in candidates.values():
             requests.sort(key=lambda r: -r.num_computed_tokens)  # pop(): fewest
         weights = {user: self._weight(user) for user in held.keys() | pending.keys()}
@@ -221,17 +231,34 @@ class FairShareSteps:
         def per_weight(user: str) -> float:
             return held.get(user, 0) / weights[user]
 
-        while pending:
-            user = min(pending, key=lambda u: (per_weight(u), counter.get(u, 0.0)))
-            mine = counter.get(user, 0.0)
+        # The receiving users by (slots per weight, counter, position in
+        # ``pending``): a user is pushed again when its slots change, and an
+        # entry that no longer holds its user's slots per weight, or whose user
+        # left ``pending``, is skipped.
+        rank = {user: i for i, user in enumerate(pending)}
+
+        def entry(user: str) -> tuple[float, float, int, str]:
+            return per_weight(user), counter.get(user, 0.0), rank[user], user
+
+        heap = [entry(user) for user in pending]
+        heapq.heapify(heap)
+        # Furthest ahead first, equal counters in ``candidates``' order.
+        ahead = sorted(candidates, key=lambda v: -counter.get(v, 0.0))
+
+        def ahead_of(mine: float) -> Iterator[str]:
+            """The candidates more than the hysteresis ahead of ``mine``."""
+            return takewhile(lambda v: counter.get(v, 0.0) - mine > hysteresis, ahead)
+
+        yielded: list[Request] = []
+        while heap:
+            weighted, mine, _, user = heapq.heappop(heap)
+            if user not in pending or weighted != per_weight(user):
+                continue
             victim_user = max(
                 (
                     v
-                    for v, requests in candidates.items()
-                    if requests
-                    and v != user
-                    and counter.get(v, 0.0) - mine > hysteresis
-                    and per_weight(v) > per_weight(user)
+                    for v in ahead_of(mine)
+                    if candidates[v] and v != user and per_weight(v) > weighted
                 ),
                 key=lambda v: (per_weight(v), counter.get(v, 0.0)),
                 default=None,
@@ -248,12 +275,16 @@ class FairShareSteps:
             chosen.append(pending[user].pop())
             if not pending[user]:
                 del pending[user]
+            for moved in (user, victim_user):
+                if moved in pending:
+                    heapq.heappush(heap, entry(moved))
         return chosen, yielded
 
     def _fair_order(self) -> list[Request]:
         """The waiting queue in VTC's admission order: the user with the
-        smallest projected counter first, each user's requests in their order,
-        a request's prompt cost added to its user as it is placed."""
+        smallest projected counter first (among equals, the user whose first
+        request waits first), each user's requests in their order, a request's
+        prompt cost added to its user as it is placed."""
         ledger = self.ledger
         user_of = self.book.user_of
         queues: dict[str, list[Request]] = {}
@@ -262,24 +293,23 @@ class FairShareSteps:
             queues.setdefault(user, []).append(request)
         if len(queues) < 2:
             return next(iter(queues.values()), [])
-        projected = {user: ledger.of(user) for user in queues}
-        weights = {user: self._weight(user) for user in queues}
-        heads = dict.fromkeys(queues, 0)
-        order: list[Request] = []
-        while heads:
-            user = min(heads, key=projected.__getitem__)
-            index = heads[user]
-            request = queues[user][index]
-            order.append(request)
-            prompt_left = max(
-                0, request.num_prompt_tokens - request.num_computed_tokens
-            )
-            projected[user] += ledger.cost(prompt_left, 0, weights[user])
-            if index + 1 < len(queues[user]):
-                heads[user] = index + 1
-            else:
-                del heads[user]
-        return order
+        # A request's key is its user's counter projected up to it. Costs are
+        # >= 0, so each user's keys never decrease and placing the smallest
+        # head first is sorting on the keys; the sort is stable and ``keyed``
+        # lists users by first position, each user's requests in order.
+        counter = ledger.counter
+        keyed: list[tuple[float, Request]] = []
+        for user, requests in queues.items():
+            projected = counter.get(user, 0.0)
+            keyed.append((projected, requests[0]))
+            if len(requests) > 1:
+                weight = self._weight(user)
+                for placed, request in pairwise(requests):
+                    prompt_left = placed.num_prompt_tokens - placed.num_computed_tokens
+                    projected += ledger.cost(max(0, prompt_left), 0, weight)
+                    keyed.append((projected, request))
+        keyed.sort(key=itemgetter(0))
+        return [request for _, request in keyed]
 
     # -- step end --------------------------------------------------------------
 

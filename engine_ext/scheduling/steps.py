@@ -180,10 +180,10 @@ class Steps:
         fair = self.fair.active()
         if fair:
 
-            def eligible(user: str) -> bool:
+            def can_start(user: str) -> bool:
                 return user not in set_aside
 
-            self.fair.before_step(eligible, eligible)
+            self.fair.before_step(set_aside, can_start)
         output = upstream.schedule(throttle_prefills)
         if fair:
             self.fair.charge_service(output.num_scheduled_tokens, upstream.requests())
@@ -375,16 +375,14 @@ class Steps:
             def anyone(user: str) -> bool:
                 return True
 
-            self.fair.before_step(anyone, anyone)
+            self.fair.before_step((), anyone)
             return
-        without_budget = self.book.maybe_without_budget
-
-        def eligible(user: str) -> bool:
-            return user not in without_budget
 
         def can_start(user: str) -> bool:
             return step.has_budget(user)
 
         self.fair.before_step(
-            eligible, can_start, keep={r.request_id for r in step.parked}
+            self.book.maybe_without_budget,
+            can_start,
+            keep={r.request_id for r in step.parked},
         )
