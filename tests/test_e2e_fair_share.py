@@ -3,13 +3,14 @@
 requests before three others send 4 each (``tools.fair_share_workload``). With
 fair share on, while all four are served each gets 25 % ± 7 % of the tokens;
 switched off through the control plane, FCFS serves the flooder's 24 before
-anyone else's. Shares are measured on the server's counters, in snapshots the
-server takes itself (``WatchUserStates``): on a loaded 2-core machine this
-client may be descheduled for seconds (measured: 14 s while the engine kept
-stepping), so its clock says nothing about the server's. For the same reason
-the fair-share run keeps the flooder's 24 streams busy until the light users
-are answered: however late the light requests leave, the flooder is
-backlogged beside them. The requests are not streamed, which keeps the API
+anyone else's.
+
+On a loaded 2-core machine this client may be descheduled for seconds
+(measured: 5.7, 12.8 and 14 s while the engine kept stepping), so nothing here
+depends on its timing: the requests are queued in that order while the engine
+is paused (vLLM's ``/pause?mode=keep``, then ``/resume``), and the shares are
+measured on the server's counters, in snapshots the server takes itself
+(``WatchUserStates``). The requests are not streamed, which keeps the API
 process responsive."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tools.fair_share_workload import (
     FAIR_SHARE_ARGS,
     FLOOD_STREAMS,
     FLOOD_TOKENS,
+    HOLD_ARGS,
+    HOLD_ENV,
     LIGHT_STREAMS,
     LIGHT_TOKENS,
     SLOTS,
@@ -38,10 +41,15 @@ pytestmark = pytest.mark.server
 
 @pytest.fixture(scope="module")
 def fair_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    """Our server with fair share on: 8 slots, every user at 100,000 tok/s."""
+    """Our server with fair share on: 8 slots, every user at 100,000 tok/s,
+    vLLM's pause, resume and load routes."""
     workdir = tmp_path_factory.mktemp("fair-share-server")
     server = start_paced_server(
-        tiny_model_dir, workdir, {}, [*FAIR_SHARE_ARGS, *ENGINE_ARGS]
+        tiny_model_dir,
+        workdir,
+        {},
+        [*FAIR_SHARE_ARGS, *ENGINE_ARGS, *HOLD_ARGS],
+        env=HOLD_ENV,
     )
     httpx.post(
         f"{server.base_url}/v1/completions",
@@ -64,7 +72,7 @@ def test_with_fair_share_each_user_gets_a_quarter_while_all_stream(
     has been served to the last read at which none has all its tokens yet,
     each user's share of the tokens charged."""
     switch_fair_share(fair_server, True)
-    run = run_workload(fair_server, "fair", keep_flooding=True)
+    run = run_workload(fair_server, "fair", hold=True)
     check_complete(run, "fair")
     flooder = users("fair")[0]
     window = all_served_window(run.reads, users("fair"), LIGHT_STREAMS * LIGHT_TOKENS)
@@ -93,7 +101,7 @@ def test_without_fair_share_the_flooder_is_served_first(
     before 16 of the flooder's 24 streams have ended."""
     switch_fair_share(fair_server, False)
     try:
-        run = run_workload(fair_server, "fcfs")
+        run = run_workload(fair_server, "fcfs", hold=True)
     finally:
         switch_fair_share(fair_server, True)
     check_complete(run, "fcfs")

