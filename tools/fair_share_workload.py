@@ -298,7 +298,7 @@ async def _held(
     served from one instant on (``/resume``): the flooder's 24, then, once the
     API server is handling all 24 (``/load``), the light users' 4 each (when:
     appended to ``sent``). However long this client is descheduled, every
-    request is in the engine before any is served."""
+    request has reached the API server, the flood first, before any is served."""
     flooder, *light = users(run)
     async with _client(server) as client:
         (await client.post("/pause", params={"mode": "keep"})).raise_for_status()
