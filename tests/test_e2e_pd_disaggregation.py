@@ -266,10 +266,20 @@ def measured(pd: Disaggregated) -> Measured:
         before=before,
         after=_samples(pd.decode),
         new_kv_entries=len(list(pd.storage.iterdir())) - entries_before,
-        decode_log=pd.decode.log_path.read_bytes()[log_before:].decode(
-            errors="replace"
-        ),
+        decode_log=_log_with_injections(pd.decode.log_path, log_before, STREAMS),
     )
+
+
+def _log_with_injections(path: Path, offset: int, count: int) -> str:
+    """The log from ``offset`` on, once it holds ``count`` injection lines or
+    after 30 s: the worker's lines reach the file after the responses (its
+    output is written by another process), so a read at once may miss one."""
+    deadline = time.monotonic() + 30
+    while True:
+        log = path.read_bytes()[offset:].decode(errors="replace")
+        if len(INJECTED.findall(log)) >= count or time.monotonic() > deadline:
+            return log
+        time.sleep(0.2)
 
 
 def test_the_decode_server_loads_the_prompts_kv_from_the_prefill_server(
