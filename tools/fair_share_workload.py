@@ -252,6 +252,15 @@ def _client(server: VllmServer) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits)
 
 
+def _flood_requests(
+    client: httpx.AsyncClient, server: VllmServer, flooder: str, flood: bool
+) -> list[asyncio.Future[Completed]]:
+    return [
+        asyncio.ensure_future(_complete(client, server.model, flooder, FLOOD_TOKENS))
+        for _ in range(FLOOD_STREAMS if flood else 0)
+    ]
+
+
 def _light_requests(
     client: httpx.AsyncClient, server: VllmServer, light: Sequence[str], stream: bool
 ) -> list[asyncio.Future[Completed]]:
@@ -274,12 +283,7 @@ async def _flood_then_light(
         finished_before = _metric(
             (await client.get("/metrics")).text, "vllm:request_success_total"
         )
-        flooding = [
-            asyncio.ensure_future(
-                _complete(client, server.model, flooder, FLOOD_TOKENS)
-            )
-            for _ in range(FLOOD_STREAMS if flood else 0)
-        ]
+        flooding = _flood_requests(client, server, flooder, flood)
         while flooding and not all(f.done() for f in flooding):
             await asyncio.sleep(0.05)
             metrics = (await client.get("/metrics")).text
@@ -303,12 +307,7 @@ async def _held(
     async with _client(server) as client:
         (await client.post("/pause", params={"mode": "keep"})).raise_for_status()
         try:
-            requests = [
-                asyncio.ensure_future(
-                    _complete(client, server.model, flooder, FLOOD_TOKENS)
-                )
-                for _ in range(FLOOD_STREAMS if flood else 0)
-            ]
+            requests = _flood_requests(client, server, flooder, flood)
             await _wait_load(client, len(requests), requests)
             sent.append(time.monotonic())
             requests += _light_requests(client, server, light, stream_light)
