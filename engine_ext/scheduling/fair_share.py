@@ -151,6 +151,9 @@ class FairShareSteps:
         upstream = self.upstream
         if upstream.waiting_count() == 0:
             return
+        free = upstream.slots - upstream.held_slots()
+        if free <= 0 and not self._slot_may_move(can_start):
+            return  # nothing to admit and no slot can move: order changes nothing
         order = self._fair_order()
         user_of = book.user_of
         receivers = [
@@ -161,7 +164,6 @@ class FairShareSteps:
         ]
         if not receivers:
             return
-        free = upstream.slots - upstream.held_slots()
         if len(receivers) <= free:
             if free > 0:
                 upstream.reorder_waiting(order)
@@ -173,6 +175,32 @@ class FairShareSteps:
             first = {id(r) for r in chosen}
             rest = [r for r in order if id(r) not in first]
             upstream.reorder_waiting(chosen + rest + yielded)
+
+    def _slot_may_move(self, can_start: Callable[[str], bool]) -> bool:
+        """Whether a running user is more than the hysteresis ahead of a user
+        with a waiting request that can start: rule 1 for some pair, checked
+        without ordering the queue (in a saturated engine most steps fail it)."""
+        counter = self.ledger.counter
+        user_of = self.book.user_of
+        waiting_users = {
+            user_of.get(r.request_id, ANONYMOUS_USER)
+            for r in self.upstream.waiting
+            if r.status in STARTABLE
+        }
+        behind = min(
+            (counter.get(u, 0.0) for u in waiting_users if can_start(u)),
+            default=None,
+        )
+        if behind is None:
+            return False
+        lead = max(
+            (
+                counter.get(user_of.get(r.request_id, ANONYMOUS_USER), 0.0)
+                for r in self.upstream.running
+            ),
+            default=None,
+        )
+        return lead is not None and lead - behind > self.ledger.settings.hysteresis
 
     def _weight(self, user: str) -> float:
         return self.ledger.weights.of(user, self.tier_of(user))
