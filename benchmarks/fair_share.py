@@ -2,16 +2,18 @@
 one run and printed as one table.
 
 ``python -m benchmarks.fair_share [--only server,scheduler] [--repeats 3]
-[--placements 2] [--users 1000] [--steps 300]``
+[--pairs 2] [--users 1000] [--steps 300]``
 
 - ``server``: the saturated workload of ``tools.fair_share_workload`` (8 slots,
   a flooder's 24 requests x 2,000 tokens, then three light users' 4 x 1,000,
   light requests streamed) on stock vLLM and on ours (caps at 100,000 tok/s,
   never binding), with fair share on and switched off live (FCFS); both
-  servers up at once, each on a CPU of its own, runs taken in turn, the order
-  reversed every repeat, then once more with the CPU sets exchanged. Rows:
+  servers up at once on the same CPUs, this client on the others
+  (``benchmark_cpus``), runs taken in turn, the order reversed every repeat,
+  then once more on a freshly started pair. Rows:
   1. output tok/s over the whole workload (completion tokens over the wall
-  time from the first request sent to the last response), ours over stock;
+  time from the first request sent to the last response), ours over stock,
+  and each repeat's ratio (its runs follow one another);
   2. the light requests' time to first token under the flood, and alone on
   the idle server (ours); 3. Jain's index over the users' shares normalized to
   the max-min fair allocation (25 % each), and the smallest normalized share,
@@ -37,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare_stock import _bind_env, check_servers, server_cpus
+from benchmarks.compare_stock import _bind_env, check_servers
 from benchmarks.table import Row, render
 from engine_ext.scheduler import OutputRateScheduler
 from pacing.limiter import MAX_RATE
@@ -61,7 +63,12 @@ from tools.fair_share_workload import (
     switch_fair_share,
     users,
 )
-from tools.local_server import VllmServer, start_paced_server, start_server
+from tools.local_server import (
+    VllmServer,
+    cpu_shares,
+    start_paced_server,
+    start_server,
+)
 from tools.scheduler_harness import BLOCK_SIZE, Driver, driven_scheduler, make_request
 from tools.tiny_model import ensure_tiny_model
 
@@ -72,15 +79,26 @@ VARIANTS = ("stock", "fair", "fcfs")
 # -- 1-3. the saturated workload on real servers ----------------------------------
 
 
+def benchmark_cpus() -> tuple[set[int], set[int]]:
+    """CPUs for this client and for both servers (empty sets: one CPU, nothing
+    confined). Both servers share one set and serve in turn, so each runs on
+    the same CPUs as its baseline; measured here with each server on a CPU of
+    its own and the client floating, runs of one server spread over 1,781-3,166
+    tok/s and ours read 0.89-0.93x stock, against 0.95-0.99x with every server
+    on one CPU and the client on the other."""
+    if len(os.sched_getaffinity(0)) < 2:
+        return set(), set()
+    client, servers = cpu_shares(2)
+    return client, servers
+
+
 def start_pair(
-    model_dir: str, workdir: Path, swapped: bool
+    model_dir: str, workdir: Path, pair: int
 ) -> tuple[VllmServer, VllmServer]:
     """Ours (fair share on, control plane) and stock vLLM, started at once,
-    each then confined to a CPU set of its own (``swapped``: exchanged)."""
-    ours_cpus, stock_cpus = server_cpus(2)
-    if swapped:
-        ours_cpus, stock_cpus = stock_cpus, ours_cpus
-    placement = workdir / ("swapped" if swapped else "first")
+    then both confined to the servers' CPUs, this process to the client's."""
+    client_cpus, server_cpus = benchmark_cpus()
+    placement = workdir / f"pair-{pair}"
     (placement / "ours").mkdir(parents=True)
     with ThreadPoolExecutor(2) as pool:
         ours = pool.submit(
@@ -89,7 +107,7 @@ def start_pair(
             placement / "ours",
             {},
             [*FAIR_SHARE_ARGS, *ENGINE_ARGS],
-            env=_bind_env(ours_cpus),
+            env=_bind_env(server_cpus),
         )
         stock = pool.submit(
             start_server,
@@ -97,12 +115,13 @@ def start_pair(
             placement / "stock.log",
             list(ENGINE_ARGS),
             stock=True,
-            env=_bind_env(stock_cpus),
+            env=_bind_env(server_cpus),
         )
         servers = ours.result(), stock.result()
-    for server, cpus in zip(servers, (ours_cpus, stock_cpus), strict=True):
-        if cpus:
-            server.confine(cpus)
+    if server_cpus:
+        for server in servers:
+            server.confine(server_cpus)
+        os.sched_setaffinity(0, client_cpus)
     return servers
 
 
@@ -130,6 +149,14 @@ def server_runs(ours: VllmServer, stock: VllmServer, repeats: int, tag: str) -> 
             if variant in ("fair", "fcfs"):
                 print(f"    {_fairness_text(run, name)}", flush=True)
     return runs
+
+
+def repeat_ratios(rate: dict[str, list[float]]) -> list[float]:
+    """Fair share on over stock, repeat by repeat: both runs of a repeat follow
+    one another, so a slower spell of a shared machine hits both alike."""
+    return [
+        fair / stock for fair, stock in zip(rate["fair"], rate["stock"], strict=True)
+    ]
 
 
 def _ttfts(runs: Sequence[WorkloadRun]) -> list[float]:
@@ -178,8 +205,8 @@ def _fairness_text(run: WorkloadRun, name: str) -> str:
     return "; ".join(parts)
 
 
-def server_rows(placements: list[Runs]) -> list[Row]:
-    named = {v: [pair for p in placements for pair in p[v]] for v in placements[0]}
+def server_rows(pairs: list[Runs]) -> list[Row]:
+    named = {v: [run for p in pairs for run in p[v]] for v in pairs[0]}
     runs = {v: [run for _, run in pairs] for v, pairs in named.items()}
     rate = {v: [run.tokens_per_s for run in rs] for v, rs in runs.items()}
     mean = {v: statistics.mean(r) for v, r in rate.items()}
@@ -196,9 +223,14 @@ def server_rows(placements: list[Runs]) -> list[Row]:
             "≥ 0.95x",
         ),
         Row(
-            "  each run (CPU sets exchanged after the first half)",
+            "  each run (a fresh server pair after the first half)",
             " / ".join(f"{r:,.0f}" for r in rate["stock"]),
             " / ".join(f"{r:,.0f}" for r in rate["fair"]),
+        ),
+        Row(
+            "  each repeat's ratio (runs next to each other); geometric mean",
+            ratio=" / ".join(f"{r:.3f}" for r in repeat_ratios(rate))
+            + f"; {statistics.geometric_mean(repeat_ratios(rate)):.3f}x",
         ),
         Row(
             "1c  fair share off (FCFS), ours: mean; each run",
@@ -253,15 +285,13 @@ def server_rows(placements: list[Runs]) -> list[Row]:
     return rows
 
 
-def server_part(
-    model_dir: str, workdir: Path, repeats: int, placements: int
-) -> list[Row]:
+def server_part(model_dir: str, workdir: Path, repeats: int, pairs: int) -> list[Row]:
     measured = []
-    for i in range(placements):
-        ours, stock = start_pair(model_dir, workdir, swapped=i == 1)
+    for i in range(pairs):
+        ours, stock = start_pair(model_dir, workdir, i)
         try:
             found = check_servers(ours, stock)
-            print(f"placement {i}: {found} (logs in {workdir})", flush=True)
+            print(f"pair {i}: {found} (logs in {workdir})", flush=True)
             measured.append(server_runs(ours, stock, repeats, f"p{i}"))
         finally:
             ours.stop()
@@ -383,8 +413,8 @@ def _parse_only(value: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", type=_parse_only, default=PARTS, help=",".join(PARTS))
-    parser.add_argument("--repeats", type=int, default=3, help="per placement / pair")
-    parser.add_argument("--placements", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="per server pair")
+    parser.add_argument("--pairs", type=int, default=2, help="server pairs started")
     parser.add_argument("--users", type=int, default=1000, help="scheduler part")
     parser.add_argument("--steps", type=int, default=300, help="scheduler part")
     parser.add_argument("--model-dir", default=None, help="default: tiny model")
@@ -399,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += scheduler_rows(args.users, calls)
         print(render(rows), flush=True)
     if "server" in args.only:
-        rows = server_part(model_dir, workdir, args.repeats, args.placements) + rows
+        rows = server_part(model_dir, workdir, args.repeats, args.pairs) + rows
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nload average {load} at the end")
     print(render(rows))
