@@ -206,10 +206,11 @@ def _fairness_text(run: WorkloadRun, name: str) -> str:
 
 
 def server_rows(pairs: list[Runs]) -> list[Row]:
-    named = {v: [run for p in pairs for run in p[v]] for v in pairs[0]}
-    runs = {v: [run for _, run in pairs] for v, pairs in named.items()}
+    named = {v: [named_run for p in pairs for named_run in p[v]] for v in pairs[0]}
+    runs = {v: [run for _, run in named_runs] for v, named_runs in named.items()}
     rate = {v: [run.tokens_per_s for run in rs] for v, rs in runs.items()}
     mean = {v: statistics.mean(r) for v, r in rate.items()}
+    ratios = repeat_ratios(rate)
     workload = (
         f"{FLOOD_STREAMS} x {FLOOD_TOKENS:,} + {len(LIGHT) * LIGHT_STREAMS} x "
         f"{LIGHT_TOKENS:,} tokens on {SLOTS} slots"
@@ -229,8 +230,8 @@ def server_rows(pairs: list[Runs]) -> list[Row]:
         ),
         Row(
             "  each repeat's ratio (runs next to each other); geometric mean",
-            ratio=" / ".join(f"{r:.3f}" for r in repeat_ratios(rate))
-            + f"; {statistics.geometric_mean(repeat_ratios(rate)):.3f}x",
+            ratio=" / ".join(f"{r:.3f}" for r in ratios)
+            + f"; {statistics.geometric_mean(ratios):.3f}x",
         ),
         Row(
             "1c  fair share off (FCFS), ours: mean; each run",
