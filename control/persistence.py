@@ -21,8 +21,15 @@ Rules:
 - Every accepted change (RPC) writes the whole table: a temp file in the same
   directory, fsync, rename over the file, fsync the directory. A reader sees
   the old file or the new one, never a mix; a crash leaves one of them. The
-  file keeps its mode, owner and group (a new one gets ``0666 & ~umask``). If
-  the write fails it is logged and the change is not applied.
+  file keeps its mode, owner and group; a new one is private (``0600``: it
+  names every user and tier). If the write fails it is logged and the change
+  is not applied.
+- The file is where it was at start-up: its directory is opened once (a
+  symlinked path resolved then), and every read, temp file, rename and fsync
+  works relative to that open directory and never follows a symlink. Swapping
+  the directory's path or the file for a symlink afterwards cannot redirect a
+  write; a file replaced by a symlink reads as an error (the last good table
+  stays) and the next write replaces the link, not its target.
 - An edit of the file by anyone else is noticed within one poll interval
   (content hash compared every poll) and applied as ``flags overlaid by file``,
   the mode and the switch included (an edit that removes either brings back
@@ -46,6 +53,7 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 from pathlib import Path
 
 from control.errors import ControlError, InvalidArgument
@@ -86,11 +94,17 @@ def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
 
 class ConfigFile:
     """One config file: reads it, writes it atomically, and tells whether its
-    content changed since this object last read or wrote it."""
+    content changed since this object last read or wrote it. Works relative to
+    its directory as first opened (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.format = format_of(str(path))
+        # Through a symlink, the target's directory and name, fixed now.
+        target = self.path.resolve()
+        self._directory_path = target.parent
+        self._name = target.name
+        self._directory_fd: int | None = None
         self._lock = threading.Lock()
         self._seen: bytes | None = None  # hash of the content last read or written
 
@@ -99,7 +113,7 @@ class ConfigFile:
         naming the file and field when it does not parse or validate."""
         with self._lock:
             try:
-                data = self.path.read_bytes()
+                data = self._read()
             except FileNotFoundError:
                 self._seen = None
                 return None
@@ -113,7 +127,7 @@ class ConfigFile:
         once."""
         with self._lock:
             try:
-                data = self.path.read_bytes()
+                data = self._read()
             except FileNotFoundError:
                 if self._seen is None:
                     return None
@@ -127,21 +141,39 @@ class ConfigFile:
 
     def write(self, doc: TableDocument) -> None:
         """Replaces the file with ``doc`` atomically and durably, keeping an
-        existing file's mode, owner and group (a new file gets ``0666 & ~umask``);
+        existing file's mode, owner and group (a new file gets ``0600``);
         logs and raises OSError (leaving no temp file) when that fails."""
         text = dumps(doc, self.format)
         if self.format == "yaml":
             text = _YAML_HEADER + text
         data = text.encode()
         with self._lock:
-            # Through a symlink, replace its target, not the link.
-            target = self.path.resolve()
             try:
-                _replace(target, data)
+                _replace(self._directory(), self._name, data)
             except OSError as exc:
-                logger.error("cannot write the config file %s: %s", target, exc)
+                logger.error("cannot write the config file %s: %s", self._target(), exc)
                 raise
             self._seen = _hash(data)
+
+    def _directory(self) -> int:
+        """The directory's descriptor, opened on first use and kept (closed
+        with this object). Requires self._lock."""
+        if self._directory_fd is None:
+            fd = os.open(self._directory_path, os.O_RDONLY | os.O_DIRECTORY)
+            self._directory_fd = fd
+            weakref.finalize(self, os.close, fd)
+        return self._directory_fd
+
+    def _read(self) -> bytes:
+        """The file's bytes, never through a symlink (OSError ELOOP then);
+        FileNotFoundError also for a directory missing at the first read.
+        Requires self._lock."""
+        fd = os.open(self._name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._directory())
+        with os.fdopen(fd, "rb") as file:
+            return file.read()
+
+    def _target(self) -> Path:
+        return self._directory_path / self._name
 
     def _parse(self, data: bytes) -> TableDocument:
         try:
@@ -253,17 +285,22 @@ def _hash(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _replace(target: Path, data: bytes) -> None:
-    """Writes ``data`` to a temp file beside ``target``, fsyncs it and renames it
-    over ``target``, then fsyncs the directory; removes the temp file on failure."""
+def _replace(directory: int, name: str, data: bytes) -> None:
+    """Writes ``data`` to a temp file in ``directory`` (a descriptor), fsyncs it
+    and renames it over ``name`` there, then fsyncs the directory; removes the
+    temp file on failure. Nothing here follows a symlink: a symlink at ``name``
+    is replaced, its target untouched."""
     try:
-        existing: os.stat_result | None = os.stat(target)
+        existing: os.stat_result | None = os.stat(
+            name, dir_fd=directory, follow_symlinks=False
+        )
     except FileNotFoundError:
         existing = None
-    # A new file: 0666 and the kernel applies the umask, as for any new file (no
-    # os.umask() round trip, which would race other threads). Replacing a file:
-    # private until it carries the old file's owner and mode.
-    fd, temp = _create_temp(target, 0o666 if existing is None else 0o600)
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        existing = None  # a symlink or other thing swapped in: not ours to copy
+    # Private from the start; a replaced file's mode and owner are copied once
+    # the temp file is ours alone.
+    fd, temp = _create_temp(directory, name)
     try:
         with os.fdopen(fd, "wb") as out:
             if existing is not None:
@@ -271,19 +308,20 @@ def _replace(target: Path, data: bytes) -> None:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temp, target)
+        os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temp)
+            os.unlink(temp, dir_fd=directory)
         raise
-    _fsync_dir(target.parent)
+    os.fsync(directory)
 
 
-def _create_temp(target: Path, mode: int) -> tuple[int, str]:
-    """A new file ``.{name}.{random}.tmp`` beside ``target``, created exclusively
-    with ``mode`` (``tempfile.mkstemp`` would force 0600)."""
-    temp = str(target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp")
-    return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), temp
+def _create_temp(directory: int, name: str) -> tuple[int, str]:
+    """A new file ``.{name}.{random}.tmp`` in ``directory``, created exclusively
+    with mode ``0600``."""
+    temp = f".{name}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    return os.open(temp, flags, 0o600, dir_fd=directory), temp
 
 
 def _keep_metadata(fd: int, existing: os.stat_result) -> None:
@@ -293,12 +331,3 @@ def _keep_metadata(fd: int, existing: os.stat_result) -> None:
     with contextlib.suppress(PermissionError):
         os.fchown(fd, existing.st_uid, existing.st_gid)
     os.fchmod(fd, stat.S_IMODE(existing.st_mode))
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Makes the rename durable: on POSIX it lives in the directory's entry."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
