@@ -14,9 +14,12 @@ into a ``StoreAddress`` (pure: the client side that connects is ``store.clients`
 
 For every form: a user name is fine (Redis ACLs: it and the password are the
 data nodes', never the sentinels'), a password is not (``_NO_PASSWORD``); the
-query takes ``db`` where a database can be chosen and, with TLS, the files
-``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``. Any other option would
-override a setting of ours (redis-py lets the query win) or hold a secret.
+query takes ``db`` where a database can be chosen, ``fleet`` (the key prefix:
+``validate_fleet``) and, with TLS, the files ``ssl_ca_certs``,
+``ssl_certfile``, ``ssl_keyfile`` and ``ssl_check_hostname`` (``true``, the
+default, or ``false``: whether the server's certificate must name the host
+connected to). Any other option would override a setting of ours (redis-py
+lets the query win) or hold a secret.
 
 Errors are ValueError naming ``STORE_FLAG``; a message never holds the URL.
 """
@@ -26,17 +29,26 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 STORE_FLAG = "--output-rate-store"
 PASSWORD_FILE_FLAG = "--output-rate-store-password-file"
 TIMEOUT_FLAG = "--output-rate-store-timeout-ms"
+FLEET_FLAG = "--output-rate-store-fleet"
 #: Environment variable holding the store's password when no password file is
 #: given (read by the process that connects).
 PASSWORD_ENV = "OUTPUT_RATE_STORE_PASSWORD"
 
 DB_OPTION = "db"
+FLEET_OPTION = "fleet"
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+CHECK_HOSTNAME_OPTION = "ssl_check_hostname"
+#: The options that are ours alone, never handed to redis-py.
+OWN_OPTIONS = (FLEET_OPTION, CHECK_HOSTNAME_OPTION)
+#: A fleet name: short, and no character with a meaning in a key (``:``
+#: separates a key's parts, braces make a cluster hash tag).
+_FLEET = re.compile("[A-Za-z0-9_.-]{1,64}")
 
 CLUSTER_PORT = 6379
 SENTINEL_PORT = 26379
@@ -83,6 +95,33 @@ class StoreAddress:
     db: int = 0
     #: The TLS file options and their paths.
     tls_files: dict[str, str] = field(default_factory=dict)
+    #: The fleet the URL names (``None``: none).
+    fleet: str | None = None
+    #: With TLS: whether the server's certificate must name the host.
+    check_hostname: bool = True
+
+    @property
+    def redis_py_url(self) -> str:
+        """The URL without the options that are ours alone, for redis-py's
+        ``from_url`` (which would take them as connection arguments)."""
+        base, _, query = self.url.partition("?")
+        kept = "&".join(
+            item
+            for item in query.split("&")
+            if unquote(item.split("=")[0]) not in OWN_OPTIONS
+        )
+        return f"{base}?{kept}" if kept else base
+
+
+def validate_fleet(fleet: object, *, field: str = FLEET_FLAG) -> str:
+    """Returns ``fleet`` if it is a fleet name (1 to 64 of ``A-Z a-z 0-9 _ .
+    -``), else raises ValueError naming ``field``."""
+    if not isinstance(fleet, str) or not _FLEET.fullmatch(fleet):
+        raise ValueError(
+            f"{field} must be 1 to 64 characters of A-Z, a-z, 0-9, '_', '.' "
+            f"and '-', got {fleet!r}"
+        )
+    return fleet
 
 
 def validate_url(url: object) -> str:
@@ -105,10 +144,14 @@ def parse_url(url: object) -> StoreAddress:
     topology, tls = SCHEMES[scheme]
     parts = urlsplit(url)
     query = _query(parts, scheme, tls, with_db=topology is not Topology.CLUSTER)
-    tls_files = {name: query[name][0] for name in TLS_OPTIONS if name in query}
+    options = _Options(
+        {name: query[name][0] for name in TLS_OPTIONS if name in query},
+        _fleet(query),
+        _check_hostname(query),
+    )
     if topology is Topology.SERVER:
         db = _server_db(parts, scheme, query)
-        return StoreAddress(url, topology, tls, db=db, tls_files=tls_files)
+        return StoreAddress(url, topology, tls, db=db, **options._asdict())
     username, nodes = _nodes(
         parts.netloc,
         SENTINEL_PORT if topology is Topology.SENTINEL else CLUSTER_PORT,
@@ -122,7 +165,7 @@ def parse_url(url: object) -> StoreAddress:
                 "database 0 only), like redis+cluster://10.0.0.1:6379,10.0.0.2:6379"
             )
         return StoreAddress(
-            url, topology, tls, nodes, username=username, tls_files=tls_files
+            url, topology, tls, nodes, username=username, **options._asdict()
         )
     master = unquote(path)
     if not master or "/" in master:
@@ -132,7 +175,7 @@ def parse_url(url: object) -> StoreAddress:
         )
     db = int(query[DB_OPTION][0]) if DB_OPTION in query else 0
     return StoreAddress(
-        url, topology, tls, nodes, master, username, db, tls_files=tls_files
+        url, topology, tls, nodes, master, username, db, **options._asdict()
     )
 
 
@@ -143,7 +186,11 @@ def _query(
         query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=True)
     except ValueError:
         raise ValueError(f"{STORE_FLAG} has a malformed query string") from None
-    allowed = ((DB_OPTION,) if with_db else ()) + (TLS_OPTIONS if tls else ())
+    allowed = (
+        ((DB_OPTION,) if with_db else ())
+        + (FLEET_OPTION,)
+        + ((*TLS_OPTIONS, CHECK_HOSTNAME_OPTION) if tls else ())
+    )
     for name, values in query.items():
         if name == "password":
             raise ValueError(f"{STORE_FLAG} {_NO_PASSWORD}")
@@ -158,6 +205,29 @@ def _query(
     if DB_OPTION in query and not _DIGITS.fullmatch(query[DB_OPTION][0]):
         raise ValueError(f"{STORE_FLAG}: db must be a database number")
     return query
+
+
+class _Options(NamedTuple):
+    """The query's options every form takes alike (``StoreAddress`` fields)."""
+
+    tls_files: dict[str, str]
+    fleet: str | None
+    check_hostname: bool
+
+
+def _fleet(query: dict[str, list[str]]) -> str | None:
+    if FLEET_OPTION not in query:
+        return None
+    return validate_fleet(query[FLEET_OPTION][0], field=f"{STORE_FLAG} option fleet")
+
+
+def _check_hostname(query: dict[str, list[str]]) -> bool:
+    value = query.get(CHECK_HOSTNAME_OPTION, ["true"])[0]
+    if value not in ("true", "false"):
+        raise ValueError(
+            f"{STORE_FLAG}: ssl_check_hostname must be true or false, got {value!r}"
+        )
+    return value == "true"
 
 
 def _server_db(parts: SplitResult, scheme: str, query: dict[str, list[str]]) -> int:

@@ -57,9 +57,14 @@ def connect(
         "socket_connect_timeout": timeout_s,
         "retry": Retry(NoBackoff(), 0),
     }
+    names = {"ssl_check_hostname": address.check_hostname} if address.tls else {}
     if address.topology is Topology.SERVER:
-        return redis.Redis.from_url(url, password=password, **timeouts)
-    tls: dict[str, Any] = {"ssl": True, **address.tls_files} if address.tls else {}
+        return redis.Redis.from_url(
+            address.redis_py_url, password=password, **timeouts, **names
+        )
+    tls: dict[str, Any] = (
+        {"ssl": True, **address.tls_files, **names} if address.tls else {}
+    )
     auth = {"username": address.username, "password": password}
     if address.topology is Topology.CLUSTER:
         return LazyCluster(lambda: _cluster(address, {**timeouts, **tls, **auth}))

@@ -59,8 +59,11 @@ def _tls_refusal(error: BaseException) -> str | None:
         if isinstance(seen, ssl.SSLError):
             return _one_line(seen)
         seen = seen.__cause__ or seen.__context__
+    # Sentinel's client folds each sentinel's error into its message, after
+    # the connection's settings (``ssl_*`` whatever went wrong).
     text = _one_line(error)
-    return text if "SSL" in text or "certificate" in text else None
+    start = text.find("[SSL")
+    return None if start < 0 else text[start:]
 
 
 def _one_line(error: BaseException) -> str:
