@@ -49,8 +49,11 @@ from pacing.settings_checks import (
 from pacing.store_settings import (
     DEFAULT_FAILURE_AFTER_S,
     DEFAULT_TIMEOUT_MS,
+    EXPECTED_ENGINES_FLAG,
     FAILURE_AFTER_FLAG,
     FAILURE_MODE_FLAG,
+    FLEET_FLAG,
+    MAX_EXPECTED_ENGINES,
     MAX_TIMEOUT_MS,
     PASSWORD_ENV,
     PASSWORD_FILE_FLAG,
@@ -59,7 +62,9 @@ from pacing.store_settings import (
     FailureMode,
     StoreSettings,
     parse_failure_mode,
+    validate_expected_engines,
     validate_failure_after,
+    validate_fleet,
     validate_timeout_ms,
     validate_url,
 )
@@ -235,6 +240,24 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         help="Longest a store call may take before it counts as a failure "
         f"(default {DEFAULT_TIMEOUT_MS}).",
     )
+    group.add_argument(
+        FLEET_FLAG,
+        type=_fleet_arg,
+        default=None,
+        metavar="NAME",
+        help="Fleet name prefixed to every store key and channel, so that fleets "
+        "sharing one Redis stay apart (1-64 of A-Z a-z 0-9 _ . -; or ?fleet=NAME "
+        "in the URL). Unset: the keys of a store without fleets.",
+    )
+    group.add_argument(
+        EXPECTED_ENGINES_FLAG,
+        type=_expected_engines_arg,
+        default=None,
+        metavar="N",
+        help="Engines the fleet runs, assumed until the store has told this "
+        "engine their count: while the store is unreachable each user's local "
+        "share is R/N. Unset: until then, limited users wait for the store.",
+    )
 
 
 def dest(flag: str) -> str:
@@ -248,6 +271,8 @@ _STORE_FLAGS = {
     "failure_mode": FAILURE_MODE_FLAG,
     "failure_after_s": FAILURE_AFTER_FLAG,
     "timeout_ms": TIMEOUT_FLAG,
+    "fleet": FLEET_FLAG,
+    "expected_engines": EXPECTED_ENGINES_FLAG,
 }
 
 
@@ -323,6 +348,23 @@ def _timeout_arg(raw: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a whole number of milliseconds in 1..{MAX_TIMEOUT_MS}, "
+            f"got {raw!r}"
+        ) from None
+
+
+def _fleet_arg(raw: str) -> str:
+    try:
+        return validate_fleet(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _expected_engines_arg(raw: str) -> int:
+    try:
+        return validate_expected_engines(int(raw), field="value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of engines in 1..{MAX_EXPECTED_ENGINES}, "
             f"got {raw!r}"
         ) from None
 

@@ -1,7 +1,8 @@
 """The global store's settings (``--output-rate-store`` and its flags): where the
 Redis deployment is (``pacing.store_url``: one server, a cluster or Sentinel),
-how long a call may take, what an engine does once the store
-has been unreachable for a while, and where its password comes from.
+which fleet's keys to use there, how long a call may take, what an engine does
+once the store has been unreachable for a while (and how many engines it
+assumes before it has seen their count), and where its password comes from.
 
 The password is never a setting: it would show in ``ps``, in vLLM's logged
 arguments and in ``additional_config`` (which vLLM logs too). A URL holding one
@@ -23,15 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The flags and URL rules are the settings' own, whose readers import them here.
+from pacing.store_url import FLEET_FLAG as FLEET_FLAG
 from pacing.store_url import PASSWORD_ENV as PASSWORD_ENV
 from pacing.store_url import PASSWORD_FILE_FLAG as PASSWORD_FILE_FLAG
 from pacing.store_url import STORE_FLAG as STORE_FLAG
 from pacing.store_url import TIMEOUT_FLAG as TIMEOUT_FLAG
 from pacing.store_url import StoreAddress, parse_url
+from pacing.store_url import validate_fleet as validate_fleet
 from pacing.store_url import validate_url as validate_url
 
 FAILURE_MODE_FLAG = "--output-rate-store-failure-mode"
 FAILURE_AFTER_FLAG = "--output-rate-store-failure-after"
+EXPECTED_ENGINES_FLAG = "--output-rate-store-expected-engines"
 
 #: Seconds of outage before the failure mode applies.
 DEFAULT_FAILURE_AFTER_S = 5.0
@@ -40,12 +44,17 @@ DEFAULT_FAILURE_AFTER_S = 5.0
 DEFAULT_TIMEOUT_MS = 50
 #: Beyond a minute the store is down, not slow.
 MAX_TIMEOUT_MS = 60_000
+#: More engines than any fleet runs: a larger stated size is a typo.
+MAX_EXPECTED_ENGINES = 100_000
 
 
 class FailureMode(str, enum.Enum):
     """What an engine does once the store has been unreachable for
     ``failure_after_s``. Before that, and from then on with the default, it
-    spends what it holds and then paces each user locally at ``R / N_live``."""
+    spends what it holds and then paces each user locally at ``R / N_live``;
+    an engine that has not yet read ``N_live`` from the store divides by
+    ``expected_engines`` instead, and without that pauses limited users
+    (``pacing.claims.ClaimedBalances.share_divisor``)."""
 
     #: Go on pacing each user at its local share (the default).
     KEEP_LOCAL_SHARE = "keep-local-share"
@@ -80,9 +89,24 @@ class StoreSettings:
     failure_mode: FailureMode = FailureMode.KEEP_LOCAL_SHARE
     failure_after_s: float = DEFAULT_FAILURE_AFTER_S
     timeout_ms: int = DEFAULT_TIMEOUT_MS
+    #: The key prefix's fleet name (``--output-rate-store-fleet`` or the URL's
+    #: ``fleet``); ``None``: the keys of a store without fleets.
+    fleet: str | None = None
+    #: The fleet's stated size, assumed until the store's count is read.
+    expected_engines: int | None = None
 
     def __post_init__(self) -> None:
-        validate_url(self.url)
+        in_url = parse_url(self.url).fleet
+        if self.fleet is not None:
+            validate_fleet(self.fleet)
+            if in_url is not None and in_url != self.fleet:
+                raise ValueError(
+                    f"{FLEET_FLAG} {self.fleet!r} and the fleet in {STORE_FLAG} "
+                    f"({in_url!r}) differ: name it once"
+                )
+        object.__setattr__(self, "fleet", self.fleet or in_url)
+        if self.expected_engines is not None:
+            validate_expected_engines(self.expected_engines)
         if self.password_file is not None and (
             not isinstance(self.password_file, str) or not self.password_file
         ):
@@ -161,6 +185,23 @@ def validate_timeout_ms(value: object, *, field: str = TIMEOUT_FLAG) -> int:
         raise ValueError(
             f"{field} must be a whole number of milliseconds in "
             f"1..{MAX_TIMEOUT_MS}, got {value!r}"
+        )
+    return value
+
+
+def validate_expected_engines(
+    value: object, *, field: str = EXPECTED_ENGINES_FLAG
+) -> int:
+    """Returns ``value`` if it is a whole number of engines in
+    1..``MAX_EXPECTED_ENGINES``, else raises ValueError naming ``field``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_EXPECTED_ENGINES
+    ):
+        raise ValueError(
+            f"{field} must be a whole number of engines in "
+            f"1..{MAX_EXPECTED_ENGINES}, got {value!r}"
         )
     return value
 

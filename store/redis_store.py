@@ -4,7 +4,8 @@ that runs the store's scripts, many per round trip (over a cluster, one
 pipeline per shard, sent together: ``store.shards``), and turns every failure
 into ``StoreError``.
 
-Key layout (``KeySpace``; ``output_rate`` is the default prefix):
+Key layout (``KeySpace``; the prefix is ``output_rate``, or
+``output_rate:FLEET`` for a named fleet: ``KeySpace.of_fleet``):
 
 - ``output_rate:user:{alice}``: alice's GCRA cell (``store.cell``); the hash tag
   is the user id, so users spread over a cluster's slots;
@@ -15,7 +16,8 @@ Key layout (``KeySpace``; ``output_rate`` is the default prefix):
   when their heartbeat runs out (Redis time, ms).
 
 Every script touches only the one key it declares, so each runs within one
-slot of a cluster (the two ``{output_rate}`` keys share a slot as well).
+slot of a cluster (the two ``{output_rate}`` keys share a slot as well: a
+fleet's prefix is their hash tag whole, and holds no brace).
 
 Scripts run by ``EVALSHA``; a server that does not know one (restarted, or
 flushed, or a replica promoted) gets them all loaded (on every master of a
@@ -37,6 +39,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from pacing.claims import Request
 from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE
+from pacing.store_url import validate_fleet
 from store import cell, limits_table
 from store.clients import Client, LazyCluster
 from store.limits_table import Limits
@@ -75,11 +78,24 @@ class StaleLimits(Exception):
         self.current = current
 
 
+#: The prefix of every key and channel of a store without fleets.
+DEFAULT_PREFIX = "output_rate"
+
+
 @dataclass(frozen=True)
 class KeySpace:
-    """The names of the store's keys and channel, under ``prefix``."""
+    """The names of the store's keys and channel, under ``prefix``: every key
+    starts with it, or with it as a hash tag (``{prefix}``)."""
 
-    prefix: str = "output_rate"
+    prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def of_fleet(cls, fleet: str | None) -> KeySpace:
+        """Fleet ``fleet``'s keys, apart from every other fleet's and from
+        those of a store without fleets (``None``: those, as before fleets)."""
+        if fleet is None:
+            return cls()
+        return cls(f"{DEFAULT_PREFIX}:{validate_fleet(fleet)}")
 
     def __post_init__(self) -> None:
         if not self.prefix or "{" in self.prefix or "}" in self.prefix:

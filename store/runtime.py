@@ -20,7 +20,7 @@ from pacing.store_stats import StoreStats
 from store.claimer import Claimer
 from store.clients import connect
 from store.limits_sync import LimitsSync
-from store.redis_store import RedisStore
+from store.redis_store import KeySpace, RedisStore
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -33,11 +33,13 @@ class RunningStore:
     def __init__(
         self,
         shared: SharedLimiter,
+        store: RedisStore,
         budget: StoreBudget,
         claimer: Claimer,
         limits: LimitsSync,
     ) -> None:
         self.shared = shared
+        self.store = store
         self.budget = budget
         self.claimer = claimer
         self.limits = limits
@@ -61,7 +63,11 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
     client = connect(
         settings.url, password=settings.password(), timeout_s=settings.timeout_s
     )
-    store = RedisStore(client, tolerance_ns=shared.limiter.burst_ns)
+    store = RedisStore(
+        client,
+        keys=KeySpace.of_fleet(settings.fleet),
+        tolerance_ns=shared.limiter.burst_ns,
+    )
     balances = ClaimedBalances(shared.limiter)
     budget = StoreBudget(
         balances,
@@ -89,9 +95,11 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
     limits = LimitsSync(store, shared)
     limits.start()
     logger.info(
-        "output-rate store: claiming from %s (failure mode %s after %.1f s)",
+        "output-rate store: claiming from %s, keys under %s (failure mode %s "
+        "after %.1f s)",
         settings.url,
+        store.keys.prefix,
         settings.failure_mode.value,
         settings.failure_after_s,
     )
-    return RunningStore(shared, budget, claimer, limits)
+    return RunningStore(shared, store, budget, claimer, limits)

@@ -60,6 +60,10 @@ def test_serve_parser_accepts_the_store_flags(serve_parser, tmp_path):
             "2.5",
             "--output-rate-store-timeout-ms",
             "20",
+            "--output-rate-store-fleet",
+            "blue-1",
+            "--output-rate-store-expected-engines",
+            "4",
         ]
     )
     entry = AsyncEngineArgs.from_cli_args(args).additional_config["output_rate"]
@@ -69,6 +73,8 @@ def test_serve_parser_accepts_the_store_flags(serve_parser, tmp_path):
         "failure_mode": "fail-closed",
         "failure_after_s": 2.5,
         "timeout_ms": 20,
+        "fleet": "blue-1",
+        "expected_engines": 4,
     }
     assert SECRET not in json.dumps(entry)  # the path travels, not the password
     paced = OutputRateSettings.from_additional_config({"output_rate": entry})
@@ -78,6 +84,8 @@ def test_serve_parser_accepts_the_store_flags(serve_parser, tmp_path):
         failure_mode=FailureMode.FAIL_CLOSED,
         failure_after_s=2.5,
         timeout_ms=20,
+        fleet="blue-1",
+        expected_engines=4,
     )
     assert paced == OutputRateSettings.from_cli_args(args)
 
@@ -93,6 +101,8 @@ def test_the_store_flag_alone_takes_the_defaults(serve_parser):
         "failure_mode": "keep-local-share",
         "failure_after_s": 5.0,
         "timeout_ms": 50,
+        "fleet": None,
+        "expected_engines": None,
     }
 
 
