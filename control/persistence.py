@@ -42,6 +42,12 @@ Rules:
   one token) per user.
 - A user named in the flags but deleted by RPC comes back at the next restart
   or file edit, as the flags still name it: remove it from the flags, too.
+- With a store (``--output-rate-store``) the file is the engine's durable copy
+  of the global table (``FileCopy``): every version the engine makes or
+  applies is written to it with its ``store_version``, and that version
+  decides at start-up whether the file or the store is newer
+  (``store.limits_sync``). It is not watched then: an edit on one engine would
+  make it differ from the others.
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ from pathlib import Path
 from control.errors import ControlError, InvalidArgument
 from control.service import LimitsService
 from control.table import TableDocument, dumps, format_of, loads
+from pacing.fair_share_policy import SharePolicy
+from pacing.global_limits import LimitsVersion
+from pacing.limits import LimitTable
+from pacing.modes import Mode
 from pacing.periodic import Periodic
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -75,7 +85,7 @@ _YAML_HEADER = (
 def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
     """``flags`` overlaid by ``file``: the file's default, mode, switch, user
     limits and weights win; its tiers, memberships and exemptions are added
-    (the etag dropped)."""
+    (the etag dropped, the file's store version kept)."""
     return TableDocument(
         default_rate=(
             file.default_rate if file.default_rate is not None else flags.default_rate
@@ -89,6 +99,7 @@ def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
         user_weights={**flags.user_weights, **file.user_weights},
         tier_weights={**flags.tier_weights, **file.tier_weights},
         fair_share=file.fair_share if file.fair_share is not None else flags.fair_share,
+        store_version=file.store_version,
     )
 
 
@@ -197,6 +208,44 @@ def load_at_start(file: ConfigFile, flags: TableDocument) -> TableDocument:
         file.write(flags)
         return flags
     return merge(flags, doc)
+
+
+class FileCopy:
+    """``file`` as the durable copy of a store's table
+    (``pacing.global_limits.DurableCopy``), starting at ``version``, the store
+    version the file was loaded with."""
+
+    def __init__(self, file: ConfigFile, version: LimitsVersion | None) -> None:
+        self._file = file
+        self._version = version
+
+    def saved_version(self) -> LimitsVersion | None:
+        return self._version
+
+    def save(
+        self,
+        default_rate: int | None,
+        table: LimitTable,
+        mode: Mode,
+        share: SharePolicy,
+        version: LimitsVersion,
+    ) -> None:
+        self._file.write(
+            TableDocument(
+                default_rate=default_rate,
+                user_rates=table.user_rates,
+                tier_rates=table.tier_rates,
+                exempt_tiers=table.exempt_tiers,
+                memberships=table.memberships,
+                exempt_users=table.exempt_users,
+                mode=mode,
+                user_weights=dict(share.users),
+                tier_weights=dict(share.tiers),
+                fair_share=share.enabled,
+                store_version=version,
+            )
+        )
+        self._version = version
 
 
 class ConfigWatcher:

@@ -23,11 +23,13 @@ from control.persistence import (
     DEFAULT_POLL_INTERVAL_S,
     ConfigFile,
     ConfigWatcher,
+    FileCopy,
     load_at_start,
 )
 from control.server import ControlServer, create_server
 from control.service import LimitsService
 from control.table import TableDocument
+from pacing import global_limits
 from pacing.modes import Mode
 from pacing.settings import ControlSettings, OutputRateSettings
 from pacing.shared import ControlPlaneSnapshot, SharedLimiter
@@ -85,10 +87,13 @@ def serve(
     running then.
 
     With ``global_store`` the table lives in the store (``store.limits_sync``,
-    started after this): the file only gives the start-up table, which seeds
-    a store that has none; changes go to the store, not the file, and the file
-    is not watched (an edit on one engine would make it differ from the
-    others)."""
+    started after this): changes go to the store first; the file gives the
+    start-up table and becomes the engine's durable copy of the store's
+    (``FileCopy``, registered on the ``pacing.global_limits`` hub), written
+    with every version the engine makes or applies, so a store that loses its
+    data is restored from the engines' files. It is not watched (an edit on
+    one engine would make it differ from the others). Without a file, a
+    store's changes live in Redis alone: logged as a warning."""
     with shared.lock:
         ledger = shared.fair_share
         flags = TableDocument(
@@ -111,6 +116,8 @@ def serve(
     )
     start_table = flags if file is None else load_at_start(file, flags)
     service.reload(lambda: start_table)
+    if global_store:
+        _keep_durably(shared, file, start_table)
     watcher = None
     if file is not None and not global_store:
         watcher = ConfigWatcher(file, service, flags, interval_s=poll_interval_s)
@@ -131,6 +138,21 @@ def serve(
     plane = ControlPlane(service=service, server=server, port=port, watcher=watcher)
     shared.set_control_snapshot(plane.snapshot)
     return plane
+
+
+def _keep_durably(
+    shared: SharedLimiter, file: ConfigFile | None, start_table: TableDocument
+) -> None:
+    """Makes ``file`` the durable copy of the store's table (before the store's
+    sync starts: it starts from the file's version)."""
+    if file is None:
+        logger.warning(
+            "output-rate control plane: with a store and no limits file, changes "
+            "live only in Redis; a store that loses its data loses them (give "
+            "every engine --user-output-rate-config to keep them)"
+        )
+        return
+    global_limits.hub(shared).durable = FileCopy(file, start_table.store_version)
 
 
 def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:

@@ -20,6 +20,7 @@ Format (YAML shown; JSON is the same tree)::
       users: {user-d: 2}           # a user's own weight (no limit needed)
       tiers: {pro: 4}              # each member's without a weight of its own
     etag: "..."
+    store_version: "7/9f2c..."     # written by engines that share a store
 
 - ``mode``: optional; the pacing mode (``pacing.modes``). ``false`` counts as
   ``off``: YAML 1.1 reads an unquoted ``mode: off`` so.
@@ -40,6 +41,11 @@ Format (YAML shown; JSON is the same tree)::
   own.
 - ``etag``: optional; written by ``output-rate-ctl export`` so that ``import``
   fails when the table changed in between. The config file ignores it.
+- ``store_version``: optional; with ``--output-rate-store``, the engine writes
+  the store version (``pacing.global_limits.LimitsVersion``) of the table it
+  saved, which decides whether this file or the store's table is newer
+  (``store.limits_sync``). Written by the engine, not by hand; ``import``
+  ignores it.
 
 Which limit applies to a user is ``pacing.limits``' rule: own exemption, own
 limit, exempt tier, tier rate, default. At most ``MAX_EXPLICIT_LIMITS`` users
@@ -62,16 +68,13 @@ import yaml
 from control.errors import InvalidArgument
 from pacing.fair_share import validate_weight
 from pacing.fair_share_policy import SharePolicy
+from pacing.global_limits import LimitsVersion
 from pacing.identity import validate_user
 from pacing.limiter import LimitTable, validate_rate
 from pacing.modes import Mode, parse_mode
-
-#: Most users one table may name (with a limit, a tier or an exemption): bounds
-#: memory, the size of one ``GetLimitsTable`` reply (about 27 MB at 256-byte
-#: ids) and of the config file.
-MAX_EXPLICIT_LIMITS = 100_000
-#: Most tiers: the metrics label series by tier, so the label set stays small.
-MAX_TIERS = 100
+from pacing.table_caps import MAX_EXPLICIT_LIMITS as MAX_EXPLICIT_LIMITS
+from pacing.table_caps import MAX_TIERS as MAX_TIERS
+from pacing.table_caps import validate_tier_count, validate_user_count
 
 MODE_KEY = "mode"
 FAIR_SHARE_KEY = "fair_share"
@@ -81,6 +84,7 @@ USERS_KEY = "users"
 MEMBERSHIPS_KEY = "memberships"
 EXEMPT_USERS_KEY = "exempt_users"
 ETAG_KEY = "etag"
+STORE_VERSION_KEY = "store_version"
 WEIGHTS_KEY = "weights"
 #: Keys of the weights object.
 WEIGHT_USERS_KEY = "users"
@@ -109,6 +113,8 @@ class TableDocument:
     user_weights: Mapping[str, float] = field(default_factory=dict)
     tier_weights: Mapping[str, float] = field(default_factory=dict)
     fair_share: bool | None = None
+    #: The store version this table was saved at (a store's engines only).
+    store_version: LimitsVersion | None = None
 
     @property
     def tiers(self) -> set[str]:
@@ -219,17 +225,18 @@ def check_weight(value: object, *, field: str) -> float | None:
 def check_table_size(count: int) -> None:
     """Raises InvalidArgument when a table would name more than
     ``MAX_EXPLICIT_LIMITS`` users."""
-    if count > MAX_EXPLICIT_LIMITS:
-        raise InvalidArgument(
-            f"a table holds at most {MAX_EXPLICIT_LIMITS} users with a limit, "
-            f"tier or exemption, got {count}"
-        )
+    try:
+        validate_user_count(count)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def check_tier_count(count: int) -> None:
     """Raises InvalidArgument when a table would hold more than ``MAX_TIERS``."""
-    if count > MAX_TIERS:
-        raise InvalidArgument(f"a table holds at most {MAX_TIERS} tiers, got {count}")
+    try:
+        validate_tier_count(count)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def parse_document(doc: object, *, source: str) -> TableDocument:
@@ -281,6 +288,7 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
     etag = doc.get(ETAG_KEY)
     if etag is not None and not isinstance(etag, str):
         raise InvalidArgument(f"{source}: {ETAG_KEY} must be a string")
+    store_version = _parse_store_version(doc.get(STORE_VERSION_KEY), source)
     return TableDocument(
         default_rate=default,
         user_rates=rates,
@@ -293,6 +301,21 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         user_weights=user_weights,
         tier_weights=tier_weights,
         fair_share=fair_share,
+        store_version=store_version,
+    )
+
+
+def _parse_store_version(value: object, source: str) -> LimitsVersion | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return LimitsVersion.parse(value)
+        except ValueError:
+            pass
+    raise InvalidArgument(
+        f"{source}: {STORE_VERSION_KEY} must be a version as the engine writes "
+        f"it (counter/stamp), got {shown(value)}"
     )
 
 
@@ -423,7 +446,7 @@ def loads(text: str, fmt: Format, *, source: str) -> TableDocument:
 
 def dumps(doc: TableDocument, fmt: Format) -> str:
     """Encodes ``doc`` in ``fmt``, users and tiers sorted by id, ``mode``,
-    the default and ``etag`` only when set."""
+    the default, ``etag`` and ``store_version`` only when set."""
     tree: dict[str, Any] = {}
     if doc.mode is not None:
         tree[MODE_KEY] = doc.mode.value
@@ -449,6 +472,8 @@ def dumps(doc: TableDocument, fmt: Format) -> str:
     }
     if doc.etag is not None:
         tree[ETAG_KEY] = doc.etag
+    if doc.store_version is not None:
+        tree[STORE_VERSION_KEY] = str(doc.store_version)
     if fmt == "json":
         return json.dumps(tree, indent=2, ensure_ascii=False) + "\n"
     return yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)
@@ -476,6 +501,7 @@ _KEYS = (
     EXEMPT_USERS_KEY,
     WEIGHTS_KEY,
     ETAG_KEY,
+    STORE_VERSION_KEY,
 )
 #: Unknown fields named in one error message.
 _MAX_LISTED = 5

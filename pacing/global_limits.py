@@ -20,19 +20,59 @@ Each ``SharedLimiter`` has one ``LimitsHub`` (``hub(shared)``):
 - listeners (``on_table_change``): told, with ``SharedLimiter.lock`` held, when
   a table another engine published was applied here; the control plane moves
   its table etag, so an etag read before that change no longer matches.
+- ``durable``: ``None``, or where the engine keeps a durable copy of the table
+  and the store version it is (the control plane's limits file): the store
+  saves every version it makes or applies there, and starts from its version
+  (``store.limits_sync`` states the rule), so a store that loses its data
+  loses nothing an engine acknowledged.
+
+A version (``LimitsVersion``) is a counter and a stamp drawn at random by each
+write: two writes never share one, even after the store lost data and counts
+again.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 from pacing.fair_share_policy import SharePolicy
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
+
+#: A stamp: what ``secrets.token_hex`` draws, or empty (a table written without).
+_STAMP: Final = re.compile(r"[0-9a-f]{0,64}")
+
+
+@dataclass(frozen=True)
+class LimitsVersion:
+    """A limits table's version in the store: ``counter`` orders the versions
+    of one history (each write counts past the one it replaced); ``stamp``,
+    drawn at random by each write, tells apart two writes that got the same
+    counter (a store that lost data counts again)."""
+
+    counter: int
+    stamp: str
+
+    def __post_init__(self) -> None:
+        if self.counter < 0 or not _STAMP.fullmatch(self.stamp):
+            raise ValueError(f"not a limits version: {self.counter}/{self.stamp!r}")
+
+    def __str__(self) -> str:
+        return f"{self.counter}/{self.stamp}"
+
+    @classmethod
+    def parse(cls, text: str) -> LimitsVersion:
+        """The version ``str`` wrote; ValueError for anything else."""
+        counter, slash, stamp = text.partition("/")
+        if not slash or not counter.isascii() or not counter.isdigit():
+            raise ValueError(f"not a limits version: {text[:80]!r}")
+        return cls(int(counter), stamp)
 
 
 class LimitsConflict(Exception):
@@ -65,6 +105,27 @@ class LimitsBackend(Protocol):
         ...
 
 
+class DurableCopy(Protocol):
+    """Where an engine keeps its table durably, with the store version it is."""
+
+    def saved_version(self) -> LimitsVersion | None:
+        """The store version of the table saved last (``None``: none saved
+        with a version, e.g. a new file)."""
+        ...
+
+    def save(
+        self,
+        default_rate: int | None,
+        table: LimitTable,
+        mode: Mode,
+        share: SharePolicy,
+        version: LimitsVersion,
+    ) -> None:
+        """Replaces the saved table by this one, store version ``version``.
+        Raises OSError (the copy is then unchanged)."""
+        ...
+
+
 class LimitsHub:
     """One engine's limits table between its control plane and a global store;
     see the module docstring."""
@@ -73,6 +134,8 @@ class LimitsHub:
         self.lock = threading.Lock()
         self._backend: LimitsBackend | None = None
         self._listeners: list[Callable[[], None]] = []
+        #: Where the table is kept durably (set before the store starts).
+        self.durable: DurableCopy | None = None
 
     @property
     def backend(self) -> LimitsBackend | None:

@@ -2,35 +2,56 @@
 Redis (``store.limits_table``), and every engine holds the version it last
 applied. ``LimitsSync`` is one engine's side of that.
 
-- ``start``: when Redis has no table, seeds it with this engine's start-up
-  table and mode (flags and limits file: what the limiter holds once the control
-  plane has loaded its file, so start this after the control plane), written
-  only where there is none, so that of engines starting together exactly one
-  seeds; then applies Redis' table here. It also registers as the hub's backend
-  (``pacing.global_limits``): from then on every change made through this
-  engine's control plane goes to Redis first.
-- a thread subscribes to new versions (pub/sub) and reads the version every
-  ``period_s`` as well (a lost message, a reconnect): any version other than
-  the one applied here is read and applied. "Other", not "newer": a store that
-  lost its data (a restart without persistence, a failover's rolled-back
-  writes) starts counting again, and what it holds is the truth from then on;
-  a store left with no table at all is seeded again from this engine's table.
+Versions (``pacing.global_limits.LimitsVersion``) are a counter and a random
+stamp: equal only for the same write. The version an engine holds is the one
+it applied last or, before its first read, the one its durable copy (the
+control plane's limits file: ``pacing.global_limits.DurableCopy``) was saved
+at. Each pass compares it with the store's:
+
+- the same: nothing to do;
+- no table (a new store, or one that lost its data): this engine seeds it with
+  its table (flags and limits file at start-up: start this after the control
+  plane; later, the table in force) at the counter it holds (1 if none), with
+  a new stamp: a seed claims to be no newer than what it was made from. It is
+  written only where there is none, so of engines starting together exactly
+  one seeds;
+- a lower counter than held (the store went back: a restart without
+  persistence that another engine seeded from an older file, a failover that
+  lost the last writes): this engine's table is newer, so it writes it back
+  over the store's (compare-and-set on the store's version, counting past its
+  own) and logs one warning; of several engines doing so, the highest counter
+  wins, and the others apply it;
+- anything else (a higher counter, or the same counter with another stamp:
+  which is newer cannot be told, and the store's wins): the store's table is
+  read, checked (``store.limits_table.decode``) and
+  applied here. A document that breaks the table's rules is logged once and
+  ignored: the table in force stays.
+
+So nothing an engine acknowledged is lost while any engine that applied it
+keeps its file, and a table never goes back to one older than an engine held.
+Every version made or applied here is saved to the durable copy with its
+version (a failed save is logged; the change stays in force, as the store and
+the other engines hold it).
+
+- ``start`` registers as the hub's backend (``pacing.global_limits``): from
+  then on every change made through this engine's control plane goes to Redis
+  first. A thread subscribes to new versions (pub/sub) and reads the version
+  every ``period_s`` as well (a lost message, a reconnect).
 - a change through the control plane (``publish``) is written only if Redis
-  still holds the version applied here (compare-and-set); if not, another
-  engine changed the table: it is read and applied here, and the control plane
-  answers ABORTED so that the caller reads again and retries. A store that does
-  not answer refuses the change (UNAVAILABLE): applying it here alone would let
-  engines diverge. After a timeout the write may still have reached Redis; the
-  thread then applies it here like any other version.
+  still holds exactly the version applied here (compare-and-set on counter and
+  stamp); if not, another engine changed the table (or the store lost it): the
+  pass above runs, and the control plane answers ABORTED so that the caller
+  reads again and retries. A store that does not answer refuses the change
+  (UNAVAILABLE): applying it here alone would let engines diverge. After a
+  timeout the write may still have reached Redis; the thread then applies it
+  here like any other version.
 
 Applying a table takes ``SharedLimiter.lock`` only for the apply itself, through
 the limiter's own calls (``set_default_rate``, ``replace_limits``: every user
 keeps its token debt, and ``limit_changes`` counts the change) and the
 fair-share ledger's (``apply_policy``: the switch and the weights; an engine
 that cannot run fair share keeps it off), and ends the engine's idle wait. An
-equal table (a seed read back, a mode-only change) is not applied again. A
-document that breaks the table's rules is logged and ignored: the table in
-force stays.
+equal table (a seed read back, a mode-only change) is not applied again.
 """
 
 from __future__ import annotations
@@ -42,12 +63,19 @@ from typing import Any
 
 from pacing import global_limits
 from pacing.fair_share_policy import SharePolicy, apply_policy, policy_of
+from pacing.global_limits import LimitsVersion
 from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
 from store.limits_table import Limits
-from store.redis_store import LimitsSubscription, RedisStore, StaleLimits, StoreError
+from store.redis_store import (
+    NO_TABLE,
+    LimitsSubscription,
+    RedisStore,
+    StaleLimits,
+    StoreError,
+)
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -55,6 +83,8 @@ logger = logging.getLogger(f"vllm.{__name__}")
 #: How often the version is read besides pub/sub; also the retry interval while
 #: the store does not answer. Within it, a lost message is made good.
 DEFAULT_PERIOD_S = 1.0
+#: Looks at the store within one pass while other engines' writes race ours.
+_WRITE_ATTEMPTS = 4
 #: Longest wait for a message between looks at ``stop``.
 _STOP_POLL_S = 0.1
 
@@ -75,8 +105,9 @@ class LimitsSync:
         self._hub = global_limits.hub(shared)
         self._period_s = period_s
         #: The store's version this engine's table is at; None until read once.
-        self._version: int | None = None
-        self._refused: int | None = None  # a bad document's version, logged once
+        self._version: LimitsVersion | None = None
+        #: A refused document's version and error, logged once.
+        self._refused: tuple[LimitsVersion | None, str] | None = None
         self._failing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,7 +115,7 @@ class LimitsSync:
         self.applied = 0
 
     @property
-    def version(self) -> int | None:
+    def version(self) -> LimitsVersion | None:
         """The store's version this engine's table is at (``None``: not read
         yet)."""
         return self._version
@@ -112,9 +143,9 @@ class LimitsSync:
             self._hub.set_backend(None)
 
     def sync(self) -> bool:
-        """One pass: seeds an empty store, then applies the store's table here
-        when its version is not the one applied. Returns whether a table or
-        mode was applied. Raises StoreError."""
+        """One pass (see the module docstring). Returns whether a table or mode
+        was applied. Raises StoreError, and ValueError for a document that
+        breaks the table's rules."""
         with self._hub.lock:
             return self._sync_locked()
 
@@ -134,10 +165,9 @@ class LimitsSync:
             raise global_limits.LimitsUnavailable(
                 "the limits table has not been read from the store yet"
             )
+        limits = Limits(default_rate, table, mode, share)
         try:
-            self._version = self._store.write_limits(
-                Limits(default_rate, table, mode, share), self._version
-            )
+            self._version = self._store.write_limits(limits, self._version)
         except StaleLimits as stale:
             try:
                 self._sync_locked()
@@ -145,28 +175,84 @@ class LimitsSync:
                 self._failed(error)
             except ValueError:
                 pass  # a bad document: the thread logs it
-            raise global_limits.LimitsConflict(stale.current) from None
+            raise global_limits.LimitsConflict(stale.current.counter) from None
         except StoreError as error:
             raise global_limits.LimitsUnavailable(str(error)) from None
+        self._save(limits, self._version)
 
     # -- helpers -----------------------------------------------------------------
 
     def _sync_locked(self) -> bool:
-        version = self._store.limits_version()
-        if version is None:
-            try:
-                self._version = self._store.write_limits(self._local(), 0)
-                logger.info("output-rate store: seeded the limits table")
+        for _ in range(_WRITE_ATTEMPTS):
+            current = self._store.limits_version()
+            if current is not None and current == self._version:
                 return False
+            held = self._held()
+            try:
+                if current is None:
+                    # At the counter held, not past it: a seed claims to be no
+                    # newer than the table it was made from.
+                    self._write_ours(NO_TABLE, 0 if held is None else held.counter - 1)
+                    logger.info(
+                        "output-rate store: seeded the limits table as version %s",
+                        self._version,
+                    )
+                    return False
+                if held is not None and current.counter < held.counter:
+                    self._write_ours(current, held.counter)
+                    logger.warning(
+                        "output-rate store: the limits table went back from "
+                        "version %s to %s (lost or rolled-back writes); wrote "
+                        "this engine's table back as version %s",
+                        held,
+                        current,
+                        self._version,
+                    )
+                    return False
             except StaleLimits:
-                pass  # another engine seeded it first: apply that one
-        elif version == self._version:
-            return False
-        stored = self._store.read_limits()
-        if stored is None:  # gone between the two reads: the next pass seeds
-            return False
-        version, document = stored
-        return self._apply(version, document)
+                continue  # another engine wrote first: look again
+            stored = self._store.read_limits()
+            if stored is None:  # gone between the two reads: seed it
+                continue
+            version, limits = stored
+            applied = self._apply(version, limits)
+            self._save(limits, version)
+            return applied
+        return False  # writers kept racing: the next pass looks again
+
+    def _held(self) -> LimitsVersion | None:
+        """The version applied here, else the durable copy's."""
+        if self._version is not None:
+            return self._version
+        durable = self._hub.durable
+        return None if durable is None else durable.saved_version()
+
+    def _write_ours(self, expected: LimitsVersion, count_past: int) -> None:
+        """Writes this engine's table over ``expected`` (StaleLimits if that is
+        no longer the store's), counting past ``count_past``."""
+        limits = self._local()
+        self._version = self._store.write_limits(
+            limits, expected, count_past=count_past
+        )
+        self._save(limits, self._version)
+
+    def _save(self, limits: Limits, version: LimitsVersion) -> None:
+        """Saves ``limits`` at ``version`` to the durable copy, if any; a
+        failure is logged (the table is in force: the store holds it)."""
+        durable = self._hub.durable
+        if durable is None:
+            return
+        try:
+            durable.save(
+                limits.default_rate, limits.table, limits.mode, limits.share, version
+            )
+        except OSError as error:
+            logger.error(
+                "output-rate store: limits version %s is in force but this "
+                "engine could not save it to its limits file: %s",
+                version,
+                error,
+            )
 
     def _local(self) -> Limits:
         shared = self._shared
@@ -177,7 +263,7 @@ class LimitsSync:
             share = policy_of(shared.fair_share)
         return Limits(default, LimitTable(*entries), mode, share)
 
-    def _apply(self, version: int, limits: Limits) -> bool:
+    def _apply(self, version: LimitsVersion, limits: Limits) -> bool:
         shared = self._shared
         table, default = limits.table, limits.default_rate
         wanted = _entries(table)
@@ -208,7 +294,7 @@ class LimitsSync:
         self.applied += 1
         what = [name for name, c in (("table", changed), ("mode", mode_changed)) if c]
         logger.info(
-            "output-rate store: applied limits version %d (%s)",
+            "output-rate store: applied limits version %s (%s)",
             version,
             " and ".join(what),
         )
@@ -243,9 +329,12 @@ class LimitsSync:
         try:
             self.sync()
         except ValueError as error:
-            version = self._store.limits_version()
-            if version != self._refused:
-                self._refused = version
+            try:
+                version: LimitsVersion | None = self._store.limits_version()
+            except ValueError:
+                version = None  # a malformed version: the error names it
+            if (version, str(error)) != self._refused:
+                self._refused = (version, str(error))
                 logger.error(
                     "output-rate store: ignored limits table version %s, keeping "
                     "the table in force: %s",
@@ -257,15 +346,15 @@ class LimitsSync:
             logger.info("output-rate store: the limits table is read again")
 
     def _wait(self, subscription: LimitsSubscription) -> None:
-        """Until a version other than the one applied is announced, ``period_s``
-        passed, or ``stop``."""
+        """Until a version is announced (a counter alone cannot tell it is the
+        one applied: a store that lost data counts again), ``period_s`` passed,
+        or ``stop``."""
         deadline = time.monotonic() + self._period_s
         while not self._stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            announced = subscription.next_version(min(left, _STOP_POLL_S))
-            if announced is not None and announced != self._version:
+            if subscription.next_version(min(left, _STOP_POLL_S)) is not None:
                 return
 
     def _failed(self, error: StoreError) -> None:

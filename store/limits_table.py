@@ -1,13 +1,21 @@
 """The limits table in Redis: one JSON document with a version, replaced
-atomically by ``PUT``, which bumps the version and publishes it, so that every
-engine learns of a change at once (and, should a message be lost, from the
-version the next time it reads).
+atomically by ``PUT``, which makes a new version and publishes it, so that
+every engine learns of a change at once (and, should a message be lost, from
+the version the next time it reads).
+
+The version (``pacing.global_limits.LimitsVersion``) is two fields of the
+table's hash: ``version``, a counter, and ``stamp``, drawn at random by each
+writer. ``PUT``'s compare-and-set compares both, so a writer holding a version
+from before the store lost data (a FLUSHALL, a restart without persistence, a
+failover's rolled-back writes) is refused even where the counter, counting
+again, reached the same number.
 
 The document holds the default rate, the whole ``pacing.limits.LimitTable``
 (user limits, tiers, memberships, exemptions), the pacing mode (the fleet's
 kill switch is one switch) and the fair-share policy (the switch and the
 weights: ``pacing.fair_share_policy``; the counters stay each engine's);
-decoding checks it by the same rules as every other entry point, so a bad
+decoding checks it by the same rules as every other entry point (the id rule,
+rates, and the caps on users and tiers: ``pacing.table_caps``), so a bad
 document is refused, never applied. The policy's keys are written only when it
 holds something (fair share on, or a weight), so a document without them reads
 as fair share off and no weights, and engines that do not know the keys keep
@@ -23,19 +31,27 @@ from typing import Any, Final
 from pacing.fair_share import Weights
 from pacing.fair_share_policy import SharePolicy
 from pacing.identity import validate_user
-from pacing.limits import LimitTable, validate_rate
+from pacing.limits import LimitTable, validate_rate, validate_tier
 from pacing.modes import Mode, parse_mode
+from pacing.table_caps import validate_tier_count, validate_user_count
 
-#: KEYS[1]: the limits hash. ARGV: the version the writer read ('' for any), the
-#: document, the channel to publish the new version on. Returns ``{1, new
-#: version}``, or ``{0, current version}`` when the writer's version is stale.
+#: KEYS[1]: the limits hash. ARGV: the counter and stamp of the version the
+#: writer read ('' for any; '0' and '' where there must be no table), the new
+#: stamp, a counter to count past besides the current one (a writer restoring
+#: a newer table than the store's), the document, the channel to publish the
+#: new counter on. Returns ``{1, counter, stamp}`` of the new version, or
+#: ``{0, counter, stamp}`` of the current one when the writer's is stale.
 PUT: Final = """
-local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= version then return {0, version} end
-version = version + 1
-redis.call('HSET', KEYS[1], 'version', version, 'document', ARGV[2])
-redis.call('PUBLISH', ARGV[3], version)
-return {1, version}
+local current = redis.call('HMGET', KEYS[1], 'version', 'stamp')
+local counter = tonumber(current[1] or '0')
+local stamp = current[2] or ''
+if ARGV[1] ~= '' and (tonumber(ARGV[1]) ~= counter or ARGV[2] ~= stamp) then
+  return {0, counter, stamp}
+end
+counter = math.max(counter, tonumber(ARGV[4])) + 1
+redis.call('HSET', KEYS[1], 'version', counter, 'stamp', ARGV[3], 'document', ARGV[5])
+redis.call('PUBLISH', ARGV[6], counter)
+return {1, counter, ARGV[3]}
 """
 
 _FIELDS = (
@@ -112,6 +128,17 @@ def decode(document: str | bytes) -> Limits:
     mode = parse_mode(raw["mode"], field="limits document: mode")
     for user in (*raw["user_rates"], *raw["memberships"], *raw["exempt_users"]):
         validate_user(user, field="limits document: a user id")
+    for tier in (*raw["exempt_tiers"], *raw["memberships"].values()):
+        validate_tier(tier)
+    # The caps before the table is built: a huge document costs no more.
+    validate_user_count(
+        len(
+            raw["user_rates"].keys()
+            | raw["memberships"].keys()
+            | set(raw["exempt_users"])
+        )
+    )
+    validate_tier_count(len(raw["tier_rates"].keys() | set(raw["exempt_tiers"])))
     table = LimitTable(
         raw["user_rates"],
         raw["tier_rates"],
@@ -141,4 +168,12 @@ def _decode_policy(raw: dict[str, Any], table: LimitTable) -> SharePolicy:
         if tier not in known:
             raise ValueError(f"limits document: weight of unknown tier {tier!r}")
     checked = Weights(users, tiers)  # ValueError naming a bad weight
+    validate_user_count(
+        len(
+            table.user_rates.keys()
+            | table.memberships.keys()
+            | table.exempt_users
+            | checked.users.keys()
+        )
+    )
     return SharePolicy(enabled, checked.users, checked.tiers)

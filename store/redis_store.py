@@ -9,9 +9,9 @@ Key layout (``KeySpace``; the prefix is ``output_rate``, or
 
 - ``output_rate:user:{alice}``: alice's GCRA cell (``store.cell``); the hash tag
   is the user id, so users spread over a cluster's slots;
-- ``{output_rate}:limits``: the limits table, a hash of ``version`` and
-  ``document`` (``store.limits_table``); changes are published on the channel
-  ``output_rate:limits``;
+- ``{output_rate}:limits``: the limits table, a hash of ``version``,
+  ``stamp`` and ``document`` (``store.limits_table``); changes are published
+  on the channel ``output_rate:limits``;
 - ``{output_rate}:engines``: live engines, a sorted set of engine ids scored by
   when their heartbeat runs out (Redis time, ms).
 
@@ -28,6 +28,7 @@ more round trips).
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from pacing.claims import Request
+from pacing.global_limits import LimitsVersion
 from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE
 from pacing.store_url import validate_fleet
 from store import cell, limits_table
@@ -73,9 +75,13 @@ class StoreError(Exception):
 class StaleLimits(Exception):
     """A limits write named a version that is no longer the current one."""
 
-    def __init__(self, current: int) -> None:
+    def __init__(self, current: LimitsVersion) -> None:
         super().__init__(f"the limits table is at version {current}")
         self.current = current
+
+
+#: ``write_limits``' expected version where there must be no table yet.
+NO_TABLE: Final = LimitsVersion(0, "")
 
 
 #: The prefix of every key and channel of a store without fleets.
@@ -272,41 +278,62 @@ class RedisStore:
 
     # -- the limits table ----------------------------------------------------------
 
-    def read_limits(self) -> tuple[int, Limits] | None:
+    def read_limits(self) -> tuple[LimitsVersion, Limits] | None:
         """The stored limits table and its version; ``None`` when there is none.
         Raises ValueError for a document that breaks the table's rules."""
-        version, document = self._call(
-            lambda: self._redis().hmget(self.keys.limits, "version", "document")
+        counter, stamp, document = self._call(
+            lambda: self._redis().hmget(
+                self.keys.limits, "version", "stamp", "document"
+            )
         )
-        if version is None or document is None:
+        if counter is None or document is None:
             return None
-        return int(version), limits_table.decode(document)
+        return _version(counter, stamp), limits_table.decode(document)
 
-    def limits_version(self) -> int | None:
+    def limits_version(self) -> LimitsVersion | None:
         """The stored limits table's version alone (``None``: there is none): a
         cheap check before reading a document that may be megabytes."""
-        version = self._call(lambda: self._redis().hget(self.keys.limits, "version"))
-        return None if version is None else int(version)
+        counter, stamp = self._call(
+            lambda: self._redis().hmget(self.keys.limits, "version", "stamp")
+        )
+        return None if counter is None else _version(counter, stamp)
 
-    def write_limits(self, limits: Limits, expected_version: int | None) -> int:
+    def write_limits(
+        self,
+        limits: Limits,
+        expected: LimitsVersion | None,
+        *,
+        count_past: int = 0,
+    ) -> LimitsVersion:
         """Replaces the limits table and publishes the new version, which it
-        returns. With ``expected_version``, only if that is still the current
-        one (else StaleLimits, carrying the current version); 0 writes only
-        where there is no table yet."""
-        expected = "" if expected_version is None else str(expected_version)
+        returns: a fresh stamp, and a counter past the current one and past
+        ``count_past``. With ``expected``, only if that is still the current
+        version (else StaleLimits, carrying the current one); ``NO_TABLE``
+        writes only where there is no table yet."""
+        if expected is None:
+            expected_args = ["", ""]
+        else:
+            expected_args = [str(expected.counter), expected.stamp]
         (result,) = self._run(
             [
                 (
                     _PUT_LIMITS,
                     [self.keys.limits],
-                    [expected, limits_table.encode(limits), self.keys.limits_channel],
+                    [
+                        *expected_args,
+                        secrets.token_hex(8),
+                        count_past,
+                        limits_table.encode(limits),
+                        self.keys.limits_channel,
+                    ],
                 )
             ]
         )
-        written, version = result
+        written, counter, stamp = result
+        version = _version(counter, stamp)
         if not written:
             raise StaleLimits(version)
-        return int(version)
+        return version
 
     def subscribe_limits(self) -> LimitsSubscription:
         """A subscription to the limits table's new versions."""
@@ -380,6 +407,14 @@ class RedisStore:
         if self._shards is None:
             self._shards = ShardedPipelines(client)
         return self._shards
+
+
+def _version(counter: bytes | str | int, stamp: bytes | str | None) -> LimitsVersion:
+    """A version as Redis returned it (a table written without a stamp has
+    the empty one)."""
+    if isinstance(stamp, bytes):
+        stamp = stamp.decode("ascii", "replace")
+    return LimitsVersion(int(counter), stamp or "")
 
 
 class LimitsSubscription:

@@ -72,7 +72,7 @@ BAD_FILES = [
         '{"users": {}, "user": {}}',
         "unknown field(s) 'user'; expected 'mode', 'fair_share', "
         "'default_tokens_per_second', 'tiers', 'users', 'memberships', "
-        "'exempt_users', 'weights', 'etag'",
+        "'exempt_users', 'weights', 'etag', 'store_version'",
     ),
     (
         '{"default_tokens_per_second": 1.5}',

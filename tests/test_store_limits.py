@@ -10,10 +10,12 @@ import re
 import pytest
 
 from pacing.fair_share_policy import SharePolicy
+from pacing.global_limits import LimitsVersion
 from pacing.limits import LimitTable
 from pacing.modes import Mode
+from pacing.table_caps import MAX_EXPLICIT_LIMITS, MAX_TIERS
 from store.limits_table import Limits, decode, encode
-from store.redis_store import RedisStore, StaleLimits
+from store.redis_store import NO_TABLE, RedisStore, StaleLimits
 from tests import store_harness
 
 client = store_harness.client_or_cluster
@@ -123,6 +125,31 @@ def document(**changes: object) -> str:
             "limits document: a user id must not contain invisible format",
         ),
         (document(mode="loud"), "limits document: mode must be one of enforce"),
+        (
+            document(
+                user_rates={f"u{i}": 1 for i in range(MAX_EXPLICIT_LIMITS)},
+                exempt_users=["one-too-many"],
+            ),
+            f"a table holds at most {MAX_EXPLICIT_LIMITS} users",
+        ),
+        (
+            document(
+                user_rates={},
+                memberships={},
+                exempt_users=[],
+                weights={"users": {f"u{i}": 1 for i in range(MAX_EXPLICIT_LIMITS + 1)}},
+            ),
+            f"a table holds at most {MAX_EXPLICIT_LIMITS} users",
+        ),
+        (
+            document(
+                tier_rates={f"t{i}": 1 for i in range(MAX_TIERS)},
+                exempt_tiers=["one-too-many"],
+            ),
+            f"a table holds at most {MAX_TIERS} tiers",
+        ),
+        (document(exempt_tiers=["a\u200bb"]), "tier name must not contain invisible"),
+        (document(exempt_tiers=[["a"]]), "tier name must be a string"),
     ],
     ids=[
         "not-json",
@@ -135,6 +162,11 @@ def document(**changes: object) -> str:
         "unknown-tier",
         "bad-user-id",
         "mode",
+        "too-many-users",
+        "too-many-weighted-users",
+        "too-many-tiers",
+        "bad-tier-id",
+        "unhashable-tier",
     ],
 )
 def test_a_bad_document_is_refused_by_name(text, message):
@@ -147,37 +179,66 @@ def test_there_is_no_table_until_one_is_written(client):
     assert RedisStore(client).read_limits() is None
 
 
-def test_each_write_bumps_the_version_and_is_read_back(client):
+def test_each_write_counts_on_with_a_fresh_stamp_and_is_read_back(client):
     store = RedisStore(client)
-    assert store.write_limits(full_table(), None) == 1
-    assert store.write_limits(Limits(5, LimitTable()), 1) == 2
+    first = store.write_limits(full_table(), None)
+    second = store.write_limits(Limits(5, LimitTable()), first)
+    assert (first.counter, second.counter) == (1, 2)
+    assert first.stamp != second.stamp and len(second.stamp) == 16
     stored = store.read_limits()
     assert stored is not None
     version, limits = stored
-    assert version == 2
+    assert version == second == store.limits_version()
     assert same(limits, Limits(5, LimitTable()))
 
 
 def test_a_write_from_a_stale_version_is_refused_and_changes_nothing(client):
     store = RedisStore(client)
-    store.write_limits(full_table(), None)
-    store.write_limits(full_table(), 1)
+    first = store.write_limits(full_table(), None)
+    second = store.write_limits(full_table(), first)
     with pytest.raises(StaleLimits) as error:
-        store.write_limits(Limits(5, LimitTable()), 1)
-    assert error.value.current == 2
+        store.write_limits(Limits(5, LimitTable()), first)
+    assert error.value.current == second
     stored = store.read_limits()
     assert stored is not None
-    assert stored[0] == 2
+    assert stored[0] == second
     assert same(stored[1], full_table())
 
 
-def test_a_write_publishes_its_version_to_every_subscriber(client):
+def test_the_same_counter_with_another_stamp_is_stale(client):
+    """A store that lost its data counts again: an old version's counter comes
+    back, its stamp does not."""
+    store = RedisStore(client)
+    mine = store.write_limits(full_table(), None)
+    client.flushall()
+    theirs = store.write_limits(Limits(5, LimitTable()), None)
+    assert theirs.counter == mine.counter
+    with pytest.raises(StaleLimits):
+        store.write_limits(full_table(), mine)
+    stored = store.read_limits()
+    assert stored is not None and same(stored[1], Limits(5, LimitTable()))
+
+
+def test_no_table_expected_writes_only_where_there_is_none(client):
+    store = RedisStore(client)
+    seeded = store.write_limits(full_table(), NO_TABLE)
+    with pytest.raises(StaleLimits) as error:
+        store.write_limits(Limits(5, LimitTable()), NO_TABLE)
+    assert error.value.current == seeded
+
+
+def test_a_write_counts_past_the_counter_it_is_given(client):
+    store = RedisStore(client)
+    assert store.write_limits(full_table(), NO_TABLE, count_past=7).counter == 8
+
+
+def test_a_write_publishes_its_counter_to_every_subscriber(client):
     writer, reader = RedisStore(client), RedisStore(client)
     first, second = reader.subscribe_limits(), reader.subscribe_limits()
     try:
         version = writer.write_limits(full_table(), None)
         for subscription in (first, second):
-            assert subscription.next_version(timeout_s=10) == version
+            assert subscription.next_version(timeout_s=10) == version.counter
         assert first.next_version(timeout_s=0.05) is None  # nothing more
     finally:
         first.close()
@@ -190,7 +251,7 @@ def test_a_refused_write_publishes_nothing(client):
     subscription = store.subscribe_limits()
     try:
         with pytest.raises(StaleLimits):
-            store.write_limits(full_table(), 7)
+            store.write_limits(full_table(), LimitsVersion(7, ""))
         assert subscription.next_version(timeout_s=0.05) is None
     finally:
         subscription.close()

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from control.errors import Unavailable
+from control.persistence import ConfigFile
 from control.runner import serve
 from control.service import LimitsService
 from pacing import global_limits
@@ -119,9 +120,16 @@ def wait_for(condition: Callable[[], bool], deadline_s: float) -> float:
 
 
 def stored(client: redis.Redis) -> tuple[int, Limits]:
+    """The stored table's version counter and table."""
     got = RedisStore(client).read_limits()
     assert got is not None
-    return got
+    return got[0].counter, got[1]
+
+
+def counter_of(target: Engine) -> int | None:
+    """The counter of the version ``target`` applied (``None``: none yet)."""
+    version = target.sync.version
+    return None if version is None else version.counter
 
 
 def write_unannounced(client: redis.Redis, limits: Limits) -> int:
@@ -158,12 +166,12 @@ def test_the_first_engine_seeds_the_store_and_the_next_takes_its_table(
 ):
     with engine(redis_url, user_rates={"alice": 5}, mode=Mode.SHADOW) as first:
         version, limits = stored(client)
-        assert (version, first.sync.version, first.sync.applied) == (1, 1, 0)
+        assert (version, counter_of(first), first.sync.applied) == (1, 1, 0)
         assert limits.default_rate == 10
         assert limits.table.user_rates == {"alice": 5}
         assert limits.mode is Mode.SHADOW
         with engine(redis_url, default_rate=20, user_rates={"bob": 7}) as second:
-            assert second.sync.version == 1
+            assert counter_of(second) == 1
             assert second.sync.applied == 1
             assert second.limiter.default_rate == 10
             assert second.limiter.user_rates == {"alice": 5}
@@ -202,7 +210,7 @@ def test_engines_starting_together_seed_exactly_once(redis_url, client, round_):
         assert len(seeders) == 1
         assert limits.default_rate == seeders[0].limiter.default_rate
         for each in engines:
-            assert each.sync.version == 1
+            assert counter_of(each) == 1
             assert each.limiter.default_rate == limits.default_rate
             assert each.limiter.user_rates == limits.table.user_rates
 
@@ -246,7 +254,7 @@ def test_a_change_through_one_engine_reaches_the_others_within_a_second(
             assert each.limiter.lead_ns("alice", now) == twin.lead_ns("alice", now)
             assert each.limiter.limit_changes == before + 1
             assert len(each.rig.wakes) == woken + 1
-            assert each.sync.version == 2
+            assert counter_of(each) == 2
             assert table_etag(each) != etag  # the table etag moves with it
             got = each.stub.GetLimit(pb.GetLimitRequest(name="limits/alice"))
             assert got.tokens_per_second == 5
@@ -310,7 +318,7 @@ def test_a_lost_message_is_made_good_by_the_periodic_read(redis_url, client):
     with fleet(redis_url, 2, period_s=0.2) as engines:
         version = write_unannounced(client, Limits(33, LimitTable({"bob": 3})))
         took = wait_for(
-            lambda: all(e.sync.version == version for e in engines), EVENTUALLY_S
+            lambda: all(counter_of(e) == version for e in engines), EVENTUALLY_S
         )
         print(f"an unannounced version was applied after {took * 1000:.0f} ms")
         for each in engines:
@@ -325,12 +333,12 @@ def test_a_bad_document_is_ignored_and_the_table_in_force_stays(
         client.hset(KEYS.limits, mapping={"version": 2, "document": '{"mode": 1}'})
         client.publish(KEYS.limits_channel, 2)
         wait_for(lambda: "ignored limits table version 2" in caplog.text, EVENTUALLY_S)
-        assert one.sync.version == 1
+        assert counter_of(one) == 1
         assert one.limiter.user_rates == {"alice": 5}
         assert caplog.text.count("ignored limits table version 2") == 1
         # A good version later still lands: the thread survived the bad one.
         good = write_unannounced(client, Limits(12, LimitTable()))
-        wait_for(lambda: one.sync.version == good, EVENTUALLY_S)
+        wait_for(lambda: counter_of(one) == good, EVENTUALLY_S)
         assert one.limiter.default_rate == 12
         assert one.limiter.user_rates == {}
 
@@ -354,7 +362,7 @@ def test_a_change_from_a_stale_version_is_aborted_and_the_newer_table_applied(
         assert "retry" in error.details()
         # The newer table is applied here, and nothing was written.
         assert first.limiter.default_rate == 42
-        assert first.sync.version == version
+        assert counter_of(first) == version
         assert stored(client)[0] == version
         # The retry wins and spreads.
         assert set_default(first, 20).tokens_per_second == 20
@@ -497,10 +505,10 @@ def test_an_engine_started_while_the_store_is_down_refuses_changes_until_it_read
         with engine(url, timeout_s=0.05, period_s=0.2, start=False) as one:
             with stopped(watcher):
                 one.sync.start()
-                assert one.sync.version is None
+                assert counter_of(one) is None
                 assert set_default_fails(one)
                 assert one.limiter.default_rate == 10
-            wait_for(lambda: one.sync.version == 1, EVENTUALLY_S)
+            wait_for(lambda: counter_of(one) == 1, EVENTUALLY_S)
             assert set_default_succeeds(one, 30)
             assert stored(watcher)[1].default_rate == 30
         watcher.close()
@@ -509,12 +517,11 @@ def test_an_engine_started_while_the_store_is_down_refuses_changes_until_it_read
 # -- the runner --------------------------------------------------------------
 
 
-def test_with_a_store_the_config_file_seeds_and_is_neither_written_nor_watched(
+def test_with_a_store_the_config_file_seeds_is_not_watched_and_keeps_each_version(
     redis_url, client, tmp_path
 ):
     path = tmp_path / "limits.yaml"
     path.write_text("default_tokens_per_second: 7\nusers: {alice: 3}\n")
-    before = path.read_bytes()
     rig = make_rig(10)
     settings = ControlSettings(address="127.0.0.1:0", config_path=str(path))
     plane = serve(rig.shared, settings, global_store=True)
@@ -534,6 +541,9 @@ def test_with_a_store_the_config_file_seeds_and_is_neither_written_nor_watched(
         finally:
             sync.stop()
         assert global_limits.hub(rig.shared).backend is None
-        assert path.read_bytes() == before
+        saved = ConfigFile(path).load()
+        assert saved is not None
+        assert (saved.default_rate, saved.user_rates) == (9, {"alice": 3})
+        assert saved.store_version == sync.version
     finally:
         plane.stop(0)
