@@ -29,8 +29,10 @@ Vocabulary:
   (``end_user``), so a user whose streams move to another engine finds its tokens
   there at once instead of after a lease.
 - *fallback share*: while the store cannot be reached, an engine paces each user
-  locally at ``R / N_live`` (``fallback_rate``), ``N_live`` being the number of
-  live engines the store last reported (``live_engines``).
+  locally at ``R / N`` (``fallback_rate``), ``N`` being ``share_divisor``: the
+  live engines the store reported (``live_engines``) once this engine has
+  heard the live set whole, before that the fleet size the operator stated
+  (``assumed_engines``) or, with none stated, no share at all.
 - *cell reading*: the user's global TAT lead (the store cell's debt as time) in
   the store's answer to this engine's latest claim or return for the user, and
   when it came back (``record_cell``, ``cell_reading``), for the control
@@ -187,6 +189,7 @@ class ClaimedBalances:
         lease_ns: int = DEFAULT_LEASE_NS,
         horizon_ns: int = DEFAULT_HORIZON_NS,
         window_ns: int = DEFAULT_WINDOW_NS,
+        assumed_engines: int | None = None,
     ) -> None:
         for name, value in (
             ("lease_ns", lease_ns),
@@ -212,6 +215,11 @@ class ClaimedBalances:
         self.wants_claims = False
         #: Live engines the store last reported (1 until it has reported).
         self.live_engines = 1
+        #: The fleet's stated size, assumed until the store's count is whole
+        #: (``None``: none stated).
+        self.assumed_engines = assumed_engines
+        #: Whether the store has reported a whole count (``record_store_ok``).
+        self.engines_counted = False
         #: When the store stopped answering; ``None`` while it answers.
         self.store_down_since_ns: int | None = None
         #: user -> (global TAT lead, when read): see *cell reading*.
@@ -406,12 +414,28 @@ class ClaimedBalances:
         age_ns = max(0, now_ns - read_ns)
         return CellReading(max(0, lead_ns - age_ns), age_ns)
 
-    def record_store_ok(self, live_engines: int | None = None) -> None:
+    def record_store_ok(
+        self, live_engines: int | None = None, *, whole: bool = True
+    ) -> None:
         """The store answered; ``live_engines``, when it said, is the engines'
-        count it holds heartbeats for."""
+        count it holds heartbeats for, ``whole`` when every live engine has
+        had the time to beat into it since this engine first heard it."""
         self.store_down_since_ns = None
         if live_engines is not None:
             self.live_engines = max(1, live_engines)
+            self.engines_counted = self.engines_counted or whole
+
+    @property
+    def share_divisor(self) -> int | None:
+        """What the fallback share divides a limit by: the store's count once
+        it has been whole; before that the larger of the stated fleet size and
+        any count heard; ``None`` when no size was stated (no share: limited
+        users wait for the store)."""
+        if self.engines_counted:
+            return self.live_engines
+        if self.assumed_engines is None:
+            return None
+        return max(self.assumed_engines, self.live_engines)
 
     def record_store_failure(self, now_ns: int) -> None:
         """The store did not answer at ``now_ns`` (the first failure in a row

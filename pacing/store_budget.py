@@ -5,12 +5,15 @@ answers, a designed fallback while it does not.
 ``--output-rate-store`` is set. While the store answers it is exactly the
 claimed balances (``pacing.claims``). Once the store has not answered for
 ``DEGRADED_AFTER_NS`` (``ClaimedBalances.store_down_since_ns``), an engine
-first spends what it holds, then paces each user locally at ``R / N_live``
-(``fallback_rate``: its share of the global limit, ``N_live`` the live engines
-the store last reported), so the fleet together stays near ``R``. After
-``failure_after_ns`` of outage the failure mode decides (``FailureMode``): keep
-that local share (the default), fail open (no limit) or fail closed (every
-limited user paused).
+first spends what it holds, then paces each user locally at ``R / N``
+(``fallback_rate``: its share of the global limit, ``N`` the live engines the
+store reported, or the stated fleet size until this engine has heard their
+whole count: ``ClaimedBalances.share_divisor``), so the fleet together stays
+within ``R``. An engine with neither has no share to pace by: it is fail
+closed instead (limited users wait for the store). After ``failure_after_ns``
+of outage the failure mode decides (``FailureMode``): keep that local share
+(the default), fail open (no limit) or fail closed (every limited user
+paused).
 
 Each state is one of ``Health`` (``pacing.budget``); every change of state is
 announced through ``limit_changes`` (a budget may shrink: leaving fail-open,
@@ -82,6 +85,8 @@ class StoreBudget:
                 FailureMode.FAIL_OPEN: Health.FAIL_OPEN,
                 FailureMode.FAIL_CLOSED: Health.FAIL_CLOSED,
             }[self._failure_mode]
+        if health is Health.LOCAL_SHARE and self.claimed.share_divisor is None:
+            health = Health.FAIL_CLOSED  # no count to share by: nothing is safe
         if health is not self._health:
             self._health = health
             self._health_changes += 1
@@ -170,7 +175,9 @@ class StoreBudget:
 
     def _share_of(self, user: str, now_ns: int) -> OutputRateLimiter:
         """The local limiter, with ``user``'s rate set to its share now."""
-        share = fallback_rate(self._rates.rate_of(user), self.claimed.live_engines)
+        divisor = self.claimed.share_divisor
+        assert divisor is not None  # without one, health() is never LOCAL_SHARE
+        share = fallback_rate(self._rates.rate_of(user), divisor)
         if self._share_rates.get(user) != share:
             self._share_rates[user] = share
             self._share.set_rate(user, share, now_ns)

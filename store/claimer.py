@@ -11,6 +11,13 @@ saw a user start wanting: ``ClaimedBalances.wants_claims``) or every
 ``wake`` ends that wait. Every answer's cell debt goes in too, as the user's
 global TAT lead (``ClaimedBalances.record_cell``), for the control plane.
 
+Every heartbeat's answer counts the live engines. What the balances are given
+is the largest count of the last heartbeat lifetime (a live set emptied by a
+FLUSHALL or a failover refills within a heartbeat period, as every live engine
+beats once per period), marked whole once this engine has heard the set for a
+whole lifetime (before that, some live engine may not have beaten into it
+yet): ``ClaimedBalances.share_divisor``.
+
 A store that does not answer is recorded in the balances
 (``record_store_failure``; the claims in flight are marked failed, their
 returns dropped: tokens lost to everyone until the cell's debt decays, never
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from typing import Any
@@ -77,6 +85,9 @@ class Claimer:
         self._heartbeat_ns = heartbeat_ns
         self._stats = stats
         self._next_heartbeat_ns: int | None = None
+        #: (when, count) of the live-engine counts of the last lifetime.
+        self._counts: deque[tuple[int, int]] = deque()
+        self._first_count_ns: int | None = None
         self._poke = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,7 +135,9 @@ class Claimer:
             with self._lock:
                 now_ns = self._clock()
                 if self._balances.store_down_since_ns is None:
-                    logger.warning("output-rate store unavailable: %s", error)
+                    logger.warning(
+                        "output-rate store unavailable: %s%s", error, self._waiting()
+                    )
                 self._balances.claims_failed(plan.claims)
                 self._balances.record_store_failure(now_ns)
                 if self._stats is not None:
@@ -137,7 +150,11 @@ class Claimer:
             now_ns = self._clock()
             if self._balances.store_down_since_ns is not None:
                 logger.warning("output-rate store available again")
-            self._balances.record_store_ok(answer.live_engines)
+            if answer.live_engines is None:
+                self._balances.record_store_ok()
+            else:
+                count, whole = self._live_count(answer.live_engines, now_ns)
+                self._balances.record_store_ok(count, whole=whole)
             if beat:
                 self._next_heartbeat_ns = now_ns + self._heartbeat_ns
             for user, grant in answer.grants.items():
@@ -159,6 +176,27 @@ class Claimer:
                 )
         if woke and self._wake is not None:
             self._wake()
+
+    def _live_count(self, count: int, now_ns: int) -> tuple[int, bool]:
+        """The live engines' count to go by and whether it is whole; see the
+        module docstring."""
+        lifetime_ns = self._heartbeat_ns * HEARTBEAT_LIFETIMES
+        if self._first_count_ns is None:
+            self._first_count_ns = now_ns
+        self._counts.append((now_ns, count))
+        while self._counts[0][0] < now_ns - lifetime_ns:
+            self._counts.popleft()
+        largest = max(counted for _, counted in self._counts)
+        return largest, now_ns - self._first_count_ns >= lifetime_ns
+
+    def _waiting(self) -> str:
+        """Why limited users wait, for the outage's log line, when they do."""
+        if self._balances.share_divisor is not None:
+            return ""
+        return (
+            "; limited users wait until it answers (no count of live engines "
+            "heard yet and no --output-rate-store-expected-engines to assume)"
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -68,7 +68,9 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
         keys=KeySpace.of_fleet(settings.fleet),
         tolerance_ns=shared.limiter.burst_ns,
     )
-    balances = ClaimedBalances(shared.limiter)
+    balances = ClaimedBalances(
+        shared.limiter, assumed_engines=settings.expected_engines
+    )
     budget = StoreBudget(
         balances,
         shared.limiter,
