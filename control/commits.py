@@ -24,7 +24,10 @@ backend
 (compare-and-set against the version this engine holds) before they are
 applied here. Another engine's change that came first answers ABORTED (this
 engine has applied it: read again and retry); a store that does not answer, or
-no backend yet, answers UNAVAILABLE and applies nothing. A table another engine
+no backend yet, answers UNAVAILABLE and applies nothing. The backend saves a
+published table to the engine's limits file with its store version; when that
+save fails the change is every engine's already: it is applied here too and
+the answer is UNAVAILABLE saying so, never OK. A table another engine
 published and this engine applied moves the table etag, as a local change does.
 
 Invariant: a change that was not persisted (or published) is not applied; the
@@ -118,7 +121,16 @@ class TableCommits:
         self.check_fair_share(doc, field=f"pacing_mode.{FAIR_SHARE_KEY}")
         backend = self._hub.backend
         if backend is not None or self._global_store:
-            self._publish(backend, doc)
+            try:
+                self._publish(backend, doc)
+            except global_limits.LimitsNotSaved as exc:
+                # Every engine's table now: applied here too, but not acknowledged.
+                self.apply(doc, apply, table=table)
+                self.shared.wake()
+                raise Unavailable(
+                    f"{exc}: it is applied, but would not survive the store losing "
+                    "its data unless another engine saved it"
+                ) from None
         elif self._persist is not None:
             try:
                 self._persist(doc)

@@ -89,6 +89,11 @@ class LimitsUnavailable(Exception):
     read once); nothing was applied on this engine."""
 
 
+class LimitsNotSaved(Exception):
+    """The store took the change (it is every engine's now), but this engine's
+    durable copy could not be written: the caller applies it here and says so."""
+
+
 class LimitsBackend(Protocol):
     """Where the control plane commits a change when a global store is used."""
 
@@ -100,8 +105,9 @@ class LimitsBackend(Protocol):
         share: SharePolicy,
     ) -> None:
         """Makes the whole table, mode and fair-share policy every engine's,
-        before the caller applies them here. Requires the hub's lock held.
-        Raises LimitsConflict or LimitsUnavailable."""
+        before the caller applies them here, and saves them to the durable copy.
+        Requires the hub's lock held. Raises LimitsConflict or
+        LimitsUnavailable (nothing changed), or LimitsNotSaved."""
         ...
 
 

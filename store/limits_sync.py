@@ -30,8 +30,9 @@ at. Each pass compares it with the store's:
 So nothing an engine acknowledged is lost while any engine that applied it
 keeps its file, and a table never goes back to one older than an engine held.
 Every version made or applied here is saved to the durable copy with its
-version (a failed save is logged; the change stays in force, as the store and
-the other engines hold it).
+version. A failed save is logged, and the change stays in force (the store and
+the other engines hold it); a change through this engine's control plane then
+answers an error saying so (``LimitsNotSaved``), never OK.
 
 - ``start`` registers as the hub's backend (``pacing.global_limits``): from
   then on every change made through this engine's control plane goes to Redis
@@ -178,7 +179,11 @@ class LimitsSync:
             raise global_limits.LimitsConflict(stale.current.counter) from None
         except StoreError as error:
             raise global_limits.LimitsUnavailable(str(error)) from None
-        self._save(limits, self._version)
+        if not self._save(limits, self._version):
+            raise global_limits.LimitsNotSaved(
+                f"limits version {self._version} is in force on every engine, but "
+                "this engine could not save it to its limits file"
+            )
 
     # -- helpers -----------------------------------------------------------------
 
@@ -236,12 +241,13 @@ class LimitsSync:
         )
         self._save(limits, self._version)
 
-    def _save(self, limits: Limits, version: LimitsVersion) -> None:
-        """Saves ``limits`` at ``version`` to the durable copy, if any; a
-        failure is logged (the table is in force: the store holds it)."""
+    def _save(self, limits: Limits, version: LimitsVersion) -> bool:
+        """Saves ``limits`` at ``version`` to the durable copy, if any; returns
+        False when that failed (logged: the table is in force, as the store
+        holds it)."""
         durable = self._hub.durable
         if durable is None:
-            return
+            return True
         try:
             durable.save(
                 limits.default_rate, limits.table, limits.mode, limits.share, version
@@ -253,6 +259,8 @@ class LimitsSync:
                 version,
                 error,
             )
+            return False
+        return True
 
     def _local(self) -> Limits:
         shared = self._shared

@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from control.errors import Unavailable
 from control.persistence import ConfigFile
 from control.runner import ControlPlane, serve
 from pacing.settings import ControlSettings
@@ -140,3 +143,19 @@ def test_an_engine_with_an_older_file_seeding_first_is_overruled_by_a_newer_file
             assert fresh.sync.version is not None
             assert fresh.sync.version.counter == revoked_at.counter + 1
     assert "the limits table went back from version" in caplog.text
+
+
+def test_a_change_the_file_cannot_keep_is_applied_everywhere_but_not_acknowledged(
+    redis_url, client, tmp_path, caplog
+):
+    directory = tmp_path / "etc"
+    directory.mkdir()
+    (path,) = start_files(directory, 1)
+    with file_engine(redis_url, path) as one:
+        path.unlink()
+        directory.rmdir()  # the directory opened at start-up is gone: no write
+        with pytest.raises(Unavailable, match="could not save it to its limits file"):
+            revoke(one, "alice")
+        assert one.exempt() == frozenset()  # in force here
+        assert stored(client)[1].table.exempt_users == frozenset()  # and everywhere
+    assert "could not save it to its limits file" in caplog.text
