@@ -28,6 +28,7 @@ from control.cli_client import (
     EXIT_USAGE,
     Client,
     UsageError,
+    bearer_token,
     open_channel,
 )
 from control.cli_commands import Command
@@ -45,8 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:
-        with open_channel(args) as channel:
-            client = Client(channel, args.token, args.timeout)
+        token = bearer_token(args)
+        with open_channel(args, token) as channel:
+            client = Client(channel, token, args.timeout)
             command: Command = args.run
             return command(client, args, sys.stdout)
     except grpc.RpcError as exc:

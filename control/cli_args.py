@@ -4,16 +4,15 @@ argument types that check every value.
 Invariant: every argument's value is checked here, before anything is sent:
 numbers against the range the proto field holds and the server accepts, user
 and tier ids by the one rule of ``pacing.identity.validate_user``, strings as
-well-formed Unicode, the token as printable ASCII (the combinations that
-create-tier and update-tier need are checked by those commands, also before
-sending); a usage error is one line on stderr and exit status 2.
+well-formed Unicode (the combinations that create-tier and update-tier need
+are checked by those commands, and the token by ``control.cli_client``, also
+before sending); a usage error is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -119,13 +118,22 @@ def _text(raw: str) -> str:
     return raw
 
 
-def _token(raw: str) -> str:
-    """A bearer token: printable ASCII, as a gRPC metadata value must be."""
-    if not all(" " <= ch <= "~" for ch in raw):
-        raise argparse.ArgumentTypeError(
-            f"the token (from --token or ${TOKEN_ENV}) must be printable ASCII"
+class _RefuseToken(argparse.Action):
+    """``--token``, refused: a token on the command line is in the process list
+    (``ps``, ``/proc/PID/cmdline``) for every local user to read."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"argument --token: a token on the command line is readable by every "
+            f"local user in the process list; put it in ${TOKEN_ENV} or in a "
+            "file named by --token-file"
         )
-    return raw
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,10 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="host:port (default %(default)s)",
     )
     parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"file holding the bearer token (default: ${TOKEN_ENV})",
+    )
+    parser.add_argument(
         "--token",
-        type=_token,
-        default=os.environ.get(TOKEN_ENV),
-        help=f"bearer token (default: ${TOKEN_ENV})",
+        nargs="?",
+        action=_RefuseToken,
+        help=f"refused: use ${TOKEN_ENV} or --token-file",
     )
     parser.add_argument(
         "--tls-ca", metavar="PEM", help="CA of the server certificate (enables TLS)"

@@ -14,11 +14,13 @@ import socket
 from control import secrets
 from control.errors import InvalidArgument
 from control.persistence import ConfigFile
-from control.server import BindRefused, check_authenticated
+from control.server import BindRefused, check_authenticated, check_token_over_tls
 from pacing.flag_names import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
+    TLS_CERT_FLAG,
     TLS_CLIENT_CA_FLAG,
+    TLS_KEY_FLAG,
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
 )
@@ -30,8 +32,9 @@ def check(settings: ControlSettings) -> None:
     """Raises SettingsError, naming the flag and the cause, for the first
     setting the control plane would fail on at start: token or TLS files that
     cannot be read (or an empty token file), a non-loopback address without a
-    token or mTLS, a limits file that is not a readable, valid table (or, when
-    missing, whose directory cannot hold one), a port that cannot be bound.
+    token or mTLS, or with a token and no TLS, a limits file that is not a
+    readable, valid table (or, when missing, whose directory cannot hold one),
+    a port that cannot be bound.
     Checks nothing when the control plane is off."""
     if not settings.enabled:
         return
@@ -45,6 +48,16 @@ def check(settings: ControlSettings) -> None:
         raise SettingsError(
             f"{ADDRESS_FLAG}: {exc} ({TOKEN_FILE_FLAG} or ${TOKEN_ENV} sets a "
             f"token, {TLS_CLIENT_CA_FLAG} mTLS)"
+        ) from None
+    try:
+        check_token_over_tls(
+            settings.address,
+            auth_token=secrets.auth_token(settings),
+            tls=secrets.tls(settings),
+        )
+    except BindRefused as exc:
+        raise SettingsError(
+            f"{ADDRESS_FLAG}: {exc} ({TLS_CERT_FLAG} and {TLS_KEY_FLAG} set TLS)"
         ) from None
     if settings.config_path is not None:
         check_config_file(settings.config_path)

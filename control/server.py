@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import ipaddress
-import logging
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -26,9 +25,6 @@ from control.rpc_counts import RpcCounts
 from control.service import LimitsService
 from control.servicer import MAX_WATCHES, SERVICE_NAME, OutputRateControlServicer
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
-
-# Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
-logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Worker threads: room for every watch plus as many unary calls at once.
 MAX_WORKERS = 2 * MAX_WATCHES
@@ -103,15 +99,11 @@ def create_server(
     picks a free one) and returns it, not started, with its port.
 
     Raises BindRefused for a non-loopback address without ``auth_token`` or
-    mTLS, and OSError when the address cannot be bound.
+    mTLS, or with ``auth_token`` and no TLS, and OSError when the address
+    cannot be bound.
     """
     check_authenticated(address, auth_token=auth_token, tls=tls)
-    if auth_token and tls is None and not is_loopback(address):
-        logger.warning(
-            "the control plane on %s accepts bearer tokens over plain text; "
-            "configure TLS so tokens cannot be sniffed",
-            address,
-        )
+    check_token_over_tls(address, auth_token=auth_token, tls=tls)
     counts = rpc_counts if rpc_counts is not None else RpcCounts()
     interceptors: list[grpc.ServerInterceptor] = [
         TracingInterceptor(tracer_provider),
@@ -157,6 +149,19 @@ def check_authenticated(
             f"refusing to listen on {address}: it is reachable from other hosts and "
             "no authentication is configured; set a bearer token or mTLS, or bind "
             "a loopback address such as 127.0.0.1"
+        )
+
+
+def check_token_over_tls(
+    address: str, *, auth_token: str | None, tls: TlsConfig | None
+) -> None:
+    """Raises BindRefused when ``address`` can be reached from other hosts and
+    clients would send ``auth_token`` there in clear text (no TLS)."""
+    if auth_token and tls is None and not is_loopback(address):
+        raise BindRefused(
+            f"refusing to listen on {address}: it is reachable from other hosts and "
+            "bearer tokens would cross the network in clear text; configure TLS, "
+            "or bind a loopback address such as 127.0.0.1"
         )
 
 

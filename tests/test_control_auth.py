@@ -282,12 +282,37 @@ def test_tls_without_client_ca_is_not_auth(service, pki):
         create_server("0.0.0.0:0", service, tls=TlsConfig(cert, key))
 
 
-@pytest.mark.parametrize("auth", ["token", "mtls"])
+@pytest.mark.parametrize("auth", ["token over TLS", "mtls"])
 def test_non_loopback_bind_is_allowed_with_auth(service, pki, auth):
-    kwargs = {"auth_token": TOKEN} if auth == "token" else {"tls": _mtls(pki)}
+    cert, key = pki["server"]
+    kwargs = (
+        {"auth_token": TOKEN, "tls": TlsConfig(cert, key)}
+        if auth == "token over TLS"
+        else {"tls": _mtls(pki)}
+    )
     server, port = create_server("0.0.0.0:0", service, **kwargs)
     assert port > 0
     server.stop(0)
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:0", "[::]:0"])
+def test_a_token_in_clear_text_beyond_loopback_is_refused(service, address):
+    """Anyone on the path could read the token and then change every limit."""
+    with pytest.raises(BindRefused) as refused:
+        create_server(address, service, auth_token=TOKEN)
+    assert str(refused.value) == (
+        f"refusing to listen on {address}: it is reachable from other hosts and "
+        "bearer tokens would cross the network in clear text; configure TLS, or "
+        "bind a loopback address such as 127.0.0.1"
+    )
+
+
+def test_a_token_in_clear_text_on_loopback_is_served(service):
+    with serving(service, address="127.0.0.1:0", auth_token=TOKEN) as served:
+        got = served.stub.GetDefaultLimit(
+            pb.GetDefaultLimitRequest(), metadata=bearer(TOKEN)
+        )
+        assert got.tokens_per_second == 10
 
 
 def test_an_address_in_use_is_an_os_error(service):

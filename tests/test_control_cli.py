@@ -4,12 +4,14 @@ ends (exit status, one line on stderr), the channel's checks, the console script
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from control.cli import main
+from pacing.flag_names import TOKEN_ENV
 from tests import cli_harness
 from tests.cli_harness import TOKEN
 
@@ -55,8 +57,9 @@ def test_a_client_certificate_without_its_key_is_a_usage_error(
     ]
 
 
-def test_a_wrong_token_exits_1_unauthenticated(served, capsys):
-    status = main(["--address", served.address, "--token", "nope", "list"])
+def test_a_wrong_token_exits_1_unauthenticated(served, capsys, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "nope")
+    status = main(["--address", served.address, "list"])
     assert status == 1
     assert capsys.readouterr().err.startswith("error: UNAUTHENTICATED: ")
 
@@ -76,11 +79,10 @@ def test_the_console_script_runs(served):
             "from control.cli import run; run()",
             "--address",
             served.address,
-            "--token",
-            TOKEN,
             "--json",
             "get-default",
         ],
+        env={**os.environ, TOKEN_ENV: TOKEN},
         capture_output=True,
         text=True,
         timeout=60,

@@ -82,7 +82,10 @@ USAGE_ERRORS = {
         ["--address", "x\udcff", "list"],
         "argument --address: must be well-formed Unicode",
     ),
-    "newline-token": (["--token", "a\nb", "list"], "must be printable ASCII"),
+    "token-on-command-line": (
+        ["--token", "t", "list"],
+        "argument --token: a token on the command line is readable",
+    ),
     "unknown-mode": (["set-mode", "loud"], "argument mode: invalid choice: 'loud'"),
     "control-character-tier": (
         ["assign", "alice", "a\x01"],
@@ -119,7 +122,6 @@ USAGE_ERRORS = {
         ["update-tier", "free", "--rate", "3", "--no-rate"],
         "argument --no-rate: not allowed with argument --rate",
     ),
-    "surrogate-token": (["--token", "a\udcff", "list"], "must be printable ASCII"),
 }
 
 

@@ -5,6 +5,7 @@ settings (the second line)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -139,9 +140,22 @@ def test_a_public_address_without_auth_is_refused():
     assert TOKEN_FILE_FLAG in message
 
 
-def test_a_public_address_with_a_token_passes(monkeypatch):
+def test_a_public_address_with_a_token_and_no_tls_is_refused(monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "secret")
-    preflight.check(ControlSettings(address="0.0.0.0:0"))
+    message = _refusal(ControlSettings(address="0.0.0.0:0"))
+    assert message.startswith(f"{ADDRESS_FLAG}: refusing to listen on 0.0.0.0:0")
+    assert "bearer tokens would cross the network in clear text" in message
+    assert TLS_CERT_FLAG in message
+
+
+def test_a_public_address_with_a_token_over_tls_passes(monkeypatch, tmp_path):
+    monkeypatch.setenv(TOKEN_ENV, "secret")
+    settings = ControlSettings(  # the preflight reads the files, gRPC parses them
+        address="0.0.0.0:0",
+        tls_cert=_write(tmp_path / "cert.pem", "cert"),
+        tls_key=_write(tmp_path / "key.pem", "key"),
+    )
+    preflight.check(settings)
 
 
 def test_an_empty_token_file_is_refused(tmp_path):
@@ -183,6 +197,7 @@ def test_nothing_is_checked_when_the_control_plane_is_off(tmp_path):
         ("directory", IsADirectoryError),
         ("bad json", InvalidArgument),
         ("public", BindRefused),
+        ("token in clear text", BindRefused),
         ("empty token", SettingsError),
     ],
 )
@@ -198,6 +213,9 @@ def test_the_engine_side_refuses_what_the_preflight_refuses(
             address="127.0.0.1:0", config_path=_write(tmp_path / "l.json", "{")
         ),
         "public": ControlSettings(address="0.0.0.0:0"),
+        "token in clear text": ControlSettings(
+            address="0.0.0.0:0", token_file=_write(tmp_path / "secret", "s3cret")
+        ),
         "empty token": ControlSettings(
             address="127.0.0.1:0", token_file=_write(tmp_path / "token", "")
         ),
@@ -243,7 +261,9 @@ def test_the_hook_checks_nothing_without_pacing(tmp_path):
 # -- a real start, one case per family -------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["limits file", "address", "port", "token file"])
+@pytest.mark.parametrize(
+    "family", ["limits file", "address", "port", "token file", "token in clear text"]
+)
 def test_a_bad_setting_ends_the_start_before_the_model_loads(
     tiny_model_dir, tmp_path, taken_address, family
 ):
@@ -254,7 +274,11 @@ def test_a_bad_setting_ends_the_start_before_the_model_loads(
         "address": (ADDRESS_FLAG, "0.0.0.0:50151", "no authentication"),
         "port": (ADDRESS_FLAG, taken_address, "Address already in use"),
         "token file": (TOKEN_FILE_FLAG, str(tmp_path / "token"), "No such file"),
+        "token in clear text": (ADDRESS_FLAG, "0.0.0.0:50151", "in clear text"),
     }[family]
+    environment = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    if family == "token in clear text":
+        environment[TOKEN_ENV] = "s3cret"
     completed = subprocess.run(
         [
             sys.executable,
@@ -266,6 +290,7 @@ def test_a_bad_setting_ends_the_start_before_the_model_loads(
             flag,
             value,
         ],
+        env=environment,
         capture_output=True,
         text=True,
         timeout=300,
