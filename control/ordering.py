@@ -8,7 +8,7 @@ after it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,12 +69,13 @@ class Order:
     def canonical(self) -> str:
         return ",".join(f"{n} desc" if d else n for n, d in self.fields) or "user"
 
-    def keys(self, reading: Reading, users: Iterable[str]) -> list[tuple[Any, ...]]:
+    def keys(self, reading: Reading, users: Sequence[str]) -> list[tuple[Any, ...]]:
         """Each user's sort key, ending with the user id: ascending tuple order
-        is the requested order. One pass per field (this runs under the
-        shared limiter's lock for every known user)."""
+        is the requested order. One pass per field over ``users`` only (this
+        runs under the shared limiter's lock)."""
         columns = [
-            (reading.column(name), -1 if desc else 1) for name, desc in self.fields
+            (reading.column(name, users), -1 if desc else 1)
+            for name, desc in self.fields
         ]
         if not columns:
             return [(user,) for user in users]

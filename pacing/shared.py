@@ -34,9 +34,10 @@ that the scheduler reads them from the facade, never from the control plane.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TypeVar
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.budget import BudgetSource
@@ -45,6 +46,8 @@ from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.recent_rate import NS_PER_S, RecentRates
 from pacing.store_stats import StoreStats
+
+_V = TypeVar("_V")
 
 #: ``request_counts()`` result: user -> (running requests, throttled requests).
 RequestCounts = Mapping[str, tuple[int, int]]
@@ -220,17 +223,21 @@ class Reading:
             user in self.explicit_rates or user in self.counts or user in self.counters
         )
 
-    def column(self, name: str) -> Mapping[str, float]:
-        """Field ``name`` (one of ``COLUMNS``) of every user, in one pass; users
-        missing from the result have 0."""
+    def column(
+        self, name: str, users: Iterable[str] | None = None
+    ) -> Mapping[str, float]:
+        """Field ``name`` (one of ``COLUMNS``) of ``users`` (None: of every
+        user), in one pass; users missing from the result have 0."""
+        counters = self.counters if users is None else _of(self.counters, users)
         if name in _COUNTER_FIELDS:
             get = attrgetter(_COUNTER_FIELDS[name])
-            return {user: get(c) for user, c in self.counters.items()}
+            return {user: get(c) for user, c in counters.items()}
         if name in _REQUEST_FIELDS:
             index = _REQUEST_FIELDS[name]
-            return {user: counts[index] for user, counts in self.counts.items()}
+            counts = self.counts if users is None else _of(self.counts, users)
+            return {user: n[index] for user, n in counts.items()}
         if name == "recent_tokens_per_second":
-            totals = {u: c.charged - c.refunds for u, c in self.counters.items()}
+            totals = {u: c.charged - c.refunds for u, c in counters.items()}
             return self._recent.rates(self.now_ns, totals)
         raise ValueError(f"no column {name!r}; columns: {', '.join(COLUMNS)}")
 
@@ -258,3 +265,8 @@ class Reading:
             throttled_requests=throttled,
             recent_tokens_per_second=self.recent_rate(user),
         )
+
+
+def _of(mapping: Mapping[str, _V], users: Iterable[str]) -> dict[str, _V]:
+    """The entries of ``mapping`` for ``users`` that it holds."""
+    return {user: mapping[user] for user in users if user in mapping}

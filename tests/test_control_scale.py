@@ -10,12 +10,14 @@ from collections import Counter
 import pytest
 
 from control.service import LimitsService
-from control.user_states import MOST_THROTTLED_FIRST
+from control.user_states import KEYS_PER_HOLD, MOST_THROTTLED_FIRST, STATES_PER_HOLD
 from pacing.shared import Reading
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 
 USERS = 10_000
+#: Holds of the lock that read the sort keys of every user.
+KEY_HOLDS = -(-USERS // KEYS_PER_HOLD)
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +89,9 @@ def test_list_user_states_of_10000_users_by_throttled_skips(big):
 
 
 def test_a_page_builds_the_states_of_its_own_users_only(big, reading_calls):
-    """Each page of 100 reads the sort field of every user once and builds 100
-    states, whatever the page's position."""
+    """Each page of 100 reads the sort field of every user once (one column per
+    hold of ``KEYS_PER_HOLD`` users) and builds 100 states, whatever the page's
+    position."""
     _, served = big
     token = ""
     for page_number in range(1, 51):
@@ -98,7 +101,10 @@ def test_a_page_builds_the_states_of_its_own_users_only(big, reading_calls):
             )
         )
         assert len(page.user_states) == 100
-        assert reading_calls == {"snapshot": 100 * page_number, "column": page_number}
+        assert reading_calls == {
+            "snapshot": 100 * page_number,
+            "column": page_number * KEY_HOLDS,
+        }
         token = page.next_page_token
 
 
@@ -126,20 +132,32 @@ class CountingLock:
         self._lock.release()
 
 
+#: A page of 100 states: one hold copies the names, then one per
+#: ``KEYS_PER_HOLD`` users' keys, then one per ``STATES_PER_HOLD`` states.
+STATE_PAGE_HOLDS = 1 + KEY_HOLDS + -(-100 // STATES_PER_HOLD)
+
+
 @pytest.mark.parametrize(
-    ("rpc", "request_"),
+    ("rpc", "request_", "holds"),
     [
-        ("ListUserStates", pb.ListUserStatesRequest(order_by=MOST_THROTTLED_FIRST)),
-        ("ListUserStates", pb.ListUserStatesRequest()),
-        ("ListLimits", pb.ListLimitsRequest()),
-        ("GetUserState", pb.GetUserStateRequest(name="userStates/user-00042")),
-        ("GetLimit", pb.GetLimitRequest(name="limits/user-00042")),
+        (
+            "ListUserStates",
+            pb.ListUserStatesRequest(order_by=MOST_THROTTLED_FIRST),
+            STATE_PAGE_HOLDS,
+        ),
+        ("ListUserStates", pb.ListUserStatesRequest(), STATE_PAGE_HOLDS),
+        ("ListLimits", pb.ListLimitsRequest(), 1),
+        ("GetUserState", pb.GetUserStateRequest(name="userStates/user-00042"), 1),
+        ("GetLimit", pb.GetLimitRequest(name="limits/user-00042"), 1),
     ],
     ids=["states-by-skips", "states-by-user", "limits", "get-state", "get-limit"],
 )
-def test_a_read_takes_the_scheduler_lock_once(big, rpc, request_):
-    """A read is one consistent snapshot: one hold of the lock the scheduler
-    holds for each step, whatever the number of users."""
+def test_a_read_takes_the_scheduler_lock_a_known_number_of_times(
+    big, rpc, request_, holds
+):
+    """A get or a page of entries is one hold of the lock the scheduler holds
+    for each step; a page of states a bounded hold per chunk of users
+    (``tests/test_control_read_holds.py``)."""
     rig, served = big
     counting = CountingLock()
     original, rig.shared.lock = rig.shared.lock, counting
@@ -148,7 +166,7 @@ def test_a_read_takes_the_scheduler_lock_once(big, rpc, request_):
             getattr(served.stub, rpc)(request_)
     finally:
         rig.shared.lock = original
-    assert counting.acquired == 5
+    assert counting.acquired == 5 * holds
 
 
 def test_pagination_survives_changes_between_pages(big):
