@@ -14,6 +14,7 @@ consecutive step boundaries, and the order is that of the keys as read.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,7 @@ def _first(
         chunk = names[start : start + KEYS_PER_HOLD]
         with shared.lock:
             keys = order.keys(shared.read(), chunk)
+        _let_a_step_in()
         if after is not None:
             keys = [key for key in keys if key > after]
         first = heapq.nsmallest(count, [*first, *keys])
@@ -162,7 +164,15 @@ def _states_in_holds(shared: SharedLimiter, users: Sequence[str]) -> list[UserSt
                 if _knows(shared, reading, user)
             ]
             states += _states(shared, reading, known)
+        _let_a_step_in()
     return states
+
+
+def _let_a_step_in() -> None:
+    """Gives the scheduler's thread, if it waits on the lock just released, the
+    chance to take it: a released ``threading.Lock`` is not handed over, and
+    this thread, holding the GIL, would otherwise take it again at once."""
+    time.sleep(0)
 
 
 def _users(shared: SharedLimiter) -> list[str]:
