@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import functools
 import multiprocessing
+import os
 import queue
 import sys
 import time
@@ -41,6 +42,8 @@ from typing import TYPE_CHECKING, Any, cast
 from engine_ext import idle_stats
 from engine_ext.supported import check_supported
 from pacing import attachments, settings_cli
+from pacing.attestation import attested_mode, ensure_key
+from pacing.flag_names import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
 from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings
 from pacing.settings_checks import SettingsError
 
@@ -170,6 +173,10 @@ def _from_cli_args(
         # engine core may already hold the port by the time they run.
         if multiprocessing.parent_process() is None:
             attachments.preflight(paced)
+        if attested_mode(paced.user_source, paced.require_user):
+            _refuse_unguarded_front_ends(args)
+            # Inherited by every process vLLM spawns from here.
+            ensure_key(os.environ)
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -181,6 +188,21 @@ def _from_cli_args(
         # A new list: the parsed value may be the parser's shared default.
         args.middleware = [*middleware, HTTP_GUARD]
     return engine_args
+
+
+def _refuse_unguarded_front_ends(args: argparse.Namespace) -> None:
+    """Front ends that never run the HTTP guard cannot serve the attested mode:
+    every request would be anonymous or refused."""
+    if getattr(args, "grpc", False):
+        front_end = "--grpc"
+    elif os.environ.get("VLLM_USE_RUST_FRONTEND", "0") not in ("", "0"):
+        front_end = "VLLM_USE_RUST_FRONTEND"
+    else:
+        return
+    raise SettingsError(
+        f"{front_end} serves requests without the HTTP guard, which "
+        f"{USER_SOURCE_FLAG} (other than xargs) and {REQUIRE_USER_FLAG} need"
+    )
 
 
 def _create_engine_config(

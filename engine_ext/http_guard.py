@@ -1,6 +1,6 @@
 """ASGI middleware that settles, before the engine sees a request, who it belongs
 to and whether it may run, on every vLLM endpoint whose body can name a user
-(``GUARDED_PATHS``).
+(``GUARDED_PATHS``: JSON bodies, and the audio endpoints' forms).
 
 It answers 400 for an invalid user id, for beam search, and, when the id comes
 from a header or the OpenAI ``user`` field (``--output-rate-user-source``), for
@@ -8,12 +8,22 @@ a client-sent ``vllm_xargs.output_rate_user``; 401 for a request that names no
 user when ``--output-rate-require-user`` is set. Otherwise it passes the body
 on: unchanged, or with the id it read written into the body's extra args, the
 one field the engine reads a request's user from.
+
+In the attested mode (a gateway source or a required user) it also writes the
+id's attestation (``pacing.attestation``) there: the engine charges a named user
+only when that matches, so a request that reaches the engine around this guard
+is charged to ``__anonymous__`` or refused. Websockets (vLLM's ``/v1/realtime``)
+carry no extra args: they are anonymous, and refused when a user is required.
+
+vLLM adds it inside its own authentication (``--api-key``), so an
+unauthenticated client is refused before its body is read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,6 +35,13 @@ from pydantic import TypeAdapter, ValidationError
 # Starlette that moved it fails at import, not silently.
 from starlette._utils import get_route_path
 
+from engine_ext.form_bodies import (
+    EncodedForm,
+    encode_form,
+    read_form,
+    unquotable_name,
+)
+from pacing.attestation import ATTESTATION_FIELD, attest, attested_mode, key_from
 from pacing.flag_names import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
 from pacing.identity import (
     HEADER,
@@ -58,11 +75,15 @@ class BodyShape(NamedTuple):
     samples: bool = True
     #: Whether vLLM answers this endpoint's errors in Anthropic's format.
     anthropic_errors: bool = False
+    #: Whether the body is a form (multipart or urlencoded) whose
+    #: ``vllm_xargs`` field is a JSON string, not a JSON document.
+    form: bool = False
 
 
 _XARGS = ("vllm_xargs",)
 _OPENAI = BodyShape(_XARGS, beam_search=True, openai_user=True)
 _RESPONSES = BodyShape(_XARGS, beam_search=False, openai_user=True)
+_AUDIO = BodyShape(_XARGS, beam_search=True, openai_user=False, form=True)
 
 #: Every vLLM 0.32 endpoint whose body can carry a user id (checked against
 #: vLLM's own routes by tests/test_http_guard.py), and its body's shape.
@@ -90,6 +111,10 @@ GUARDED_PATHS: Mapping[str, BodyShape] = MappingProxyType(
         "/inference/v1/generate": BodyShape(
             ("sampling_params", "extra_args"), beam_search=False, openai_user=False
         ),
+        # Served when the model transcribes (Whisper...): a form whose
+        # vllm_xargs field vLLM parses with json.loads.
+        "/v1/audio/transcriptions": _AUDIO,
+        "/v1/audio/translations": _AUDIO,
     }
 )
 
@@ -105,14 +130,22 @@ _PYDANTIC_BOOL = TypeAdapter(bool)
 
 
 class IdentityPolicy(NamedTuple):
-    """Where a request's user id comes from, and whether one is required."""
+    """Where a request's user id comes from, whether one is required, and the
+    key that attests it (the attested mode only)."""
 
     source: UserSource = XARGS_SOURCE
     require_user: bool = False
+    key: bytes | None = None
 
     @classmethod
-    def from_settings(cls, paced: OutputRateSettings) -> IdentityPolicy:
-        return cls(paced.user_source, paced.require_user)
+    def from_settings(
+        cls, paced: OutputRateSettings, environ: Mapping[str, str]
+    ) -> IdentityPolicy:
+        """The policy of ``paced``; raises AttestationKeyError when the
+        attested mode has no key in ``environ``."""
+        attested = attested_mode(paced.user_source, paced.require_user)
+        key = key_from(environ) if attested else None
+        return cls(paced.user_source, paced.require_user, key)
 
 
 #: Today's behaviour: the client names its user in the body, or none.
@@ -136,15 +169,12 @@ def check_request_body(
     policy: IdentityPolicy = DEFAULT_POLICY,
     headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> bytes | Rejection:
-    """The body to pass on for a guarded endpoint's request, or the reason to
-    refuse it. ``headers`` are the request's, as ASGI hands them over.
+    """The body to pass on for a guarded endpoint's JSON request, or the
+    reason to refuse it. ``headers`` are the request's, as ASGI hands them over.
 
-    The body passed on is ``body`` itself, unless the user id comes from a
-    header or the ``user`` field (``policy.source``) and the endpoint samples:
-    then it is ``body`` with that id as its extra args' ``output_rate_user``
-    (re-encoded by ``json.dumps``, which ``json.loads`` reads back to the same
-    values). A request that names no user is charged to ``__anonymous__``, or
-    refused with 401 when ``policy.require_user`` is set and it samples.
+    The body passed on is ``body`` itself, unless ``check_payload`` has extra
+    args to write: then it is ``body`` with those (re-encoded by ``json.dumps``,
+    which ``json.loads`` reads back to the same values).
 
     A body that ``json.loads`` cannot parse (invalid JSON or UTF-8, an integer
     beyond Python's digit limit) is passed on unchanged: vLLM parses the same
@@ -155,15 +185,38 @@ def check_request_body(
     no size limit beyond vLLM's own (none): the body is buffered once and
     replayed.
     """
-    field = ".".join((*shape.xargs, USER_FIELD))
     try:
         payload = json.loads(body)
     except ValueError:  # JSONDecodeError, UnicodeDecodeError, too many digits
         return body
     except RecursionError:
+        field = ".".join((*shape.xargs, USER_FIELD))
         return Rejection(f"request body is nested too deeply to check {field}", None)
     if not isinstance(payload, dict):
         return body
+    written = check_payload(payload, shape, policy, headers)
+    if written is None or isinstance(written, Rejection):
+        return body if written is None else written
+    return _with_xargs(payload, shape, written)
+
+
+def check_payload(
+    payload: dict[str, Any],
+    shape: BodyShape,
+    policy: IdentityPolicy,
+    headers: Sequence[tuple[bytes, bytes]],
+) -> dict[str, str] | Rejection | None:
+    """What to write into the extra args of a request whose parsed body is
+    ``payload`` (None: nothing, pass the body on as it is), or the reason to
+    refuse it.
+
+    The id is written when it comes from a header or the ``user`` field
+    (``policy.source``), with its attestation in the attested mode, and only
+    where the endpoint samples. A request that names no user is charged to
+    ``__anonymous__``, or refused with 401 when ``policy.require_user`` is set
+    and it samples.
+    """
+    field = ".".join((*shape.xargs, USER_FIELD))
     if shape.beam_search and _asks_for_beam_search(payload):
         return Rejection(
             "beam search is not supported with per-user output pacing",
@@ -180,6 +233,13 @@ def check_request_body(
             f"{source.where} ({USER_SOURCE_FLAG} {source.spec})",
             field,
         )
+    if (
+        policy.key is not None
+        and isinstance(xargs, dict)
+        and ATTESTATION_FIELD in xargs
+    ):
+        where = ".".join((*shape.xargs, ATTESTATION_FIELD))
+        return Rejection(f"{where} must not be sent: only this server writes it", where)
     named = _named_user(payload, xargs if sent else None, shape, source, headers)
     if isinstance(named, Rejection):
         return named
@@ -189,14 +249,17 @@ def check_request_body(
     if user is _ABSENT:
         if policy.require_user and shape.samples:
             return _no_user(source, shape, where, param)
-        return body
+        return None
     try:
         valid = validate_user(user, field=where)
     except ValueError as exc:
         return Rejection(str(exc), param)
-    if source.kind == XARGS or not shape.samples:
-        return body
-    return _with_user(payload, shape, valid)
+    if not shape.samples or (source.kind == XARGS and policy.key is None):
+        return None
+    written = {USER_FIELD: valid}
+    if policy.key is not None:
+        written[ATTESTATION_FIELD] = attest(policy.key, valid)
+    return written
 
 
 def _named_user(
@@ -236,9 +299,17 @@ def _header_value(
     if len(values) > 1:
         return Rejection(f"{source.where} must be sent once, got {len(values)}", None)
     try:
-        return values[0].decode("utf-8").strip(" \t")
+        value = values[0].decode("utf-8").strip(" \t")
     except UnicodeDecodeError:
         return Rejection(f"{source.where} must be UTF-8", None)
+    if "," in value:
+        # A proxy merges a header sent twice into "a, b": each combination
+        # would be a user (and a budget) of its own.
+        return Rejection(
+            f"{source.where} must hold one user id: it must not contain a comma",
+            None,
+        )
+    return value
 
 
 def _no_user(
@@ -266,10 +337,10 @@ def _unauthorized(missing: str, param: str | None) -> Rejection:
     )
 
 
-def _with_user(
-    payload: dict[str, Any], shape: BodyShape, user: str
+def _with_xargs(
+    payload: dict[str, Any], shape: BodyShape, written: dict[str, str]
 ) -> bytes | Rejection:
-    """``payload`` encoded with ``user`` written into its extra args, or a
+    """``payload`` encoded with ``written`` merged into its extra args, or a
     rejection when a key on the way holds something other than an object (vLLM
     would refuse that body too)."""
     target = payload
@@ -282,7 +353,7 @@ def _with_user(
             where = ".".join(shape.xargs[: depth + 1])
             return Rejection(f"{where} must be an object", where)
         if last:
-            target[key] = {**inner, USER_FIELD: user}
+            target[key] = {**inner, **written}
         target = inner
     return json.dumps(payload).encode()
 
@@ -305,13 +376,14 @@ def policy_of(app: object) -> IdentityPolicy:
             "vllm_config; engine_ext supports vLLM 0.32.x only"
         ) from None
     paced = OutputRateSettings.from_additional_config(vllm_config.additional_config)
-    return IdentityPolicy.from_settings(paced)
+    return IdentityPolicy.from_settings(paced, os.environ)
 
 
 class OutputRateRequestGuard:
     """Buffers the body of POSTs to ``GUARDED_PATHS``, refuses a bad one, and
-    replays the body (as ``check_request_body`` returns it) to the app
-    otherwise. With a user required, refuses POSTs to ``UNATTRIBUTED_PATHS``."""
+    replays the body (as ``check_request_body`` or ``check_form_body`` returns
+    it) to the app otherwise. With a user required, refuses POSTs to
+    ``UNATTRIBUTED_PATHS`` and every websocket."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -320,6 +392,9 @@ class OutputRateRequestGuard:
         self._policy: IdentityPolicy | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
@@ -345,8 +420,24 @@ class OutputRateRequestGuard:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         received = b"".join(chunks)
+        body: bytes | Rejection
         try:
-            body = check_request_body(received, shape, self._policy, scope["headers"])
+            if shape.form:
+                checked = await check_form_body(scope, received, shape, self._policy)
+                if isinstance(checked, EncodedForm):
+                    body, content_type = checked
+                    scope = {
+                        **scope,
+                        "headers": _with_header(
+                            scope["headers"], b"content-type", content_type
+                        ),
+                    }
+                else:
+                    body = checked
+            else:
+                body = check_request_body(
+                    received, shape, self._policy, scope["headers"]
+                )
         except Exception:
             # Fail closed: a request whose user was not checked must not reach
             # the engine, and a bug here must not become a 500.
@@ -356,7 +447,11 @@ class OutputRateRequestGuard:
             await _send_error(send, body, anthropic=shape.anthropic_errors)
             return
         if body is not received:
-            scope = {**scope, "headers": _with_content_length(scope["headers"], body)}
+            length = str(len(body)).encode()
+            scope = {
+                **scope,
+                "headers": _with_header(scope["headers"], b"content-length", length),
+            }
         replayed = False
 
         async def replay() -> Message:
@@ -368,13 +463,83 @@ class OutputRateRequestGuard:
 
         await self.app(scope, replay, send)
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket (vLLM's ``/v1/realtime``) builds its requests without
+        extra args: anonymous, and refused at the handshake (close code 1008,
+        which the server answers with 403) when a user is required."""
+        if self._policy is None:
+            self._policy = policy_of(scope.get("app"))
+        if not self._policy.require_user:
+            await self.app(scope, receive, send)
+            return
+        message = await receive()
+        if message["type"] == "websocket.connect":
+            missing = "a websocket cannot carry one to the scheduler"
+            reason = _unauthorized(missing, None).message
+            await send({"type": "websocket.close", "code": 1008, "reason": reason})
 
-def _with_content_length(
-    headers: Sequence[tuple[bytes, bytes]], body: bytes
+
+async def check_form_body(
+    scope: Scope, body: bytes, shape: BodyShape, policy: IdentityPolicy
+) -> bytes | EncodedForm | Rejection:
+    """For a guarded endpoint's form request: ``body`` itself to pass it on
+    unchanged, a new body and its content type when extra args are written
+    (the whole form encoded anew, see ``engine_ext.form_bodies``), or the
+    reason to refuse it. ``vllm_xargs`` is a JSON string, read as vLLM reads it
+    (``json.loads``); a field the checks read must be sent at most once."""
+    form = await read_form(scope, body)
+    if form is None:
+        return body  # vLLM's parser refuses the same bytes
+    payload: dict[str, Any] = {}
+    for name in {shape.xargs[0], "use_beam_search"}:
+        values = form.getlist(name)
+        if len(values) > 1:
+            return Rejection(f"{name} must be sent once, got {len(values)}", name)
+        if values and not isinstance(values[0], str):
+            return Rejection(f"{name} must be a form field, not a file", name)
+        if values:
+            payload[name] = values[0]
+    xargs_text = payload.get(shape.xargs[0])
+    if xargs_text is not None:
+        try:
+            payload[shape.xargs[0]] = json.loads(xargs_text)
+        except ValueError:
+            return body  # vLLM answers 400 for the same string
+        except RecursionError:
+            return Rejection(f"{shape.xargs[0]} is nested too deeply to check", None)
+    written = check_payload(payload, shape, policy, scope["headers"])
+    if written is None or isinstance(written, Rejection):
+        return body if written is None else written
+    xargs = payload.get(shape.xargs[0])
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, dict):
+        return Rejection(f"{shape.xargs[0]} must be an object", shape.xargs[0])
+    odd = unquotable_name(form)
+    if odd is not None:
+        return Rejection(
+            "form field and file names must not contain quotes, backslashes or "
+            "line breaks",
+            None,
+        )
+    merged = json.dumps({**xargs, **written})
+    fields = [(name, value) for name, value in form.multi_items()]
+    fields = [
+        (name, merged if name == shape.xargs[0] else value) for name, value in fields
+    ]
+    if xargs_text is None:
+        fields.append((shape.xargs[0], merged))
+    encoded = await encode_form(fields)
+    await form.close()
+    return encoded
+
+
+def _with_header(
+    headers: Sequence[tuple[bytes, bytes]], name: bytes, value: bytes
 ) -> list[tuple[bytes, bytes]]:
-    """``headers`` with a content-length that matches the rewritten ``body``."""
-    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-    return [*kept, (b"content-length", str(len(body)).encode())]
+    """``headers`` with ``name`` (lower case) set to ``value`` alone."""
+    kept = [(k, v) for k, v in headers if k.lower() != name]
+    return [*kept, (name, value)]
 
 
 async def _send_error(send: Send, rejection: Rejection, *, anthropic: bool) -> None:

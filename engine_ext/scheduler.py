@@ -34,6 +34,7 @@ unchanged and no per-request hook is bound.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -41,10 +42,10 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from engine_ext import payload_builder
 from engine_ext.request_tracing import with_throttle_headers
@@ -59,8 +60,9 @@ from engine_ext.scheduling.upstream import (
 from engine_ext.scheduling.users import UserBook
 from pacing import attachments
 from pacing.accounting import Accounting
+from pacing.attestation import RequestIdentity
 from pacing.budget import BudgetSource
-from pacing.identity import ANONYMOUS_USER, user_from_extra_args
+from pacing.identity import XARGS_SOURCE
 from pacing.limiter import OutputRateLimiter
 from pacing.settings import OutputRateSettings
 from pacing.shared import SharedLimiter
@@ -108,6 +110,18 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             mode=settings.mode,
             fair_share=settings.build_fair_share(),
         )
+        #: Who each request is charged to (``pacing.attestation``); refuses to
+        #: start in the attested mode without the guard's key. With pacing off
+        #: no guard runs, and nothing is charged.
+        self._identity = RequestIdentity.for_settings(
+            settings.user_source if settings.enabled else XARGS_SOURCE,
+            settings.require_user and settings.enabled,
+            os.environ,
+            lambda: self.clock(),
+        )
+        #: Requests refused for want of a checked user id, finished but not yet
+        #: reported to their client (the next ``update_from_output`` does).
+        self._refused: list[Request] = []
         #: What attached through the core's registration point (the control
         #: plane, when the settings ask for one); stopped at shutdown.
         self.output_rate_attachments: list[attachments.Attachment] = []
@@ -199,10 +213,16 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         request_id = request.request_id
-        if request_id not in self._users.user_of:
-            self._users.add(
-                request_id, self._resolve_user(request), paced=self.limiter.enabled
-            )
+        if request_id in self._users.user_of:
+            return
+        params = request.sampling_params
+        user = self._identity.user_of(request_id, params.extra_args if params else None)
+        if user is None:
+            # Finished before any step: it is never scheduled.
+            self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+            self._refused.append(request)
+            return
+        self._users.add(request_id, user, paced=self.limiter.enabled)
 
     def _free_request(
         self, request: Request, delay_free_blocks: bool = False
@@ -220,21 +240,6 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def user_of(self, request: Request) -> str:
         """The user ``request`` is charged to."""
         return self._users.user(request.request_id)
-
-    @staticmethod
-    def _resolve_user(request: Request) -> str:
-        params = request.sampling_params
-        try:
-            return user_from_extra_args(params.extra_args if params else None)
-        except ValueError as exc:
-            # The HTTP guard rejects these with 400; only offline callers get here.
-            logger.warning(
-                "request %s: %s; charging it as %s",
-                request.request_id,
-                exc,
-                ANONYMOUS_USER,
-            )
-            return ANONYMOUS_USER
 
     # -- the step ----------------------------------------------------------
 
@@ -257,10 +262,25 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         drafts = self._steps.drafts
         charges = drafts.take(scheduler_output) if drafts else None
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._refused:
+            self._report_refused(outputs)
         if charges is not None:
             with self.output_rate_shared.lock:
                 charges.settle(self.budget, self.accounting, self._users, self.clock())
         return outputs
+
+    def _report_refused(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Tells each refused request's client that it ended in an error."""
+        refused, self._refused = self._refused, []
+        for request in refused:
+            ended = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+            )
+            outputs.setdefault(
+                request.client_index, EngineCoreOutputs()
+            ).outputs.append(ended)
 
     def _try_schedule_encoder_inputs(
         self,

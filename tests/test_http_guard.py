@@ -31,12 +31,15 @@ from engine_ext.http_guard import (
     Rejection,
     check_request_body,
 )
+from pacing.attestation import ATTESTATION_FIELD, KEY_BYTES, KEY_ENV, attest
 from pacing.identity import parse_user_source, validate_user
 from pacing.settings import OutputRateSettings
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
-SAMPLING_PATHS = sorted(path for path, shape in GUARDED_PATHS.items() if shape.samples)
-RENDER_PATHS = sorted(set(GUARDED_PATHS) - set(SAMPLING_PATHS))
+#: The guarded paths with JSON bodies (the audio endpoints take forms).
+JSON_PATHS = {path: shape for path, shape in GUARDED_PATHS.items() if not shape.form}
+SAMPLING_PATHS = sorted(path for path, shape in JSON_PATHS.items() if shape.samples)
+RENDER_PATHS = sorted(set(JSON_PATHS) - set(SAMPLING_PATHS))
 
 
 async def echo(request: Request) -> Response:
@@ -63,6 +66,21 @@ def guarded_app(**settings: Any) -> Starlette:
 
 
 APP = guarded_app()
+
+
+@pytest.fixture(autouse=True)
+def attestation_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The key ``vllm serve`` puts in the environment in the attested mode."""
+    key = "11" * KEY_BYTES
+    monkeypatch.setenv(KEY_ENV, key)
+    return key
+
+
+def written(user: str) -> dict[str, str]:
+    """What the guard writes in the attested mode: the id and its attestation
+    under ``attestation_key``'s key."""
+    key = bytes.fromhex("11" * KEY_BYTES)
+    return {"output_rate_user": user, ATTESTATION_FIELD: attest(key, user)}
 
 
 async def post(
@@ -113,7 +131,7 @@ async def test_bad_user_gets_400_naming_the_field(xargs, reason):
     assert error["code"] == 400
 
 
-@pytest.mark.parametrize("path", sorted(GUARDED_PATHS))
+@pytest.mark.parametrize("path", sorted(JSON_PATHS))
 @pytest.mark.anyio
 async def test_every_guarded_path_rejects_a_bad_user_and_passes_a_good_one(path):
     shape = GUARDED_PATHS[path]
@@ -322,7 +340,7 @@ async def test_the_header_id_is_written_where_the_engine_reads_it(path):
     inner = expected
     for key in shape.xargs[:-1]:
         inner = inner[key]
-    inner[shape.xargs[-1]] = {"output_rate_user": "alice"}
+    inner[shape.xargs[-1]] = written("alice")
     assert json.loads(response.content) == expected
     assert response.headers["x-seen-length"] == str(len(response.content))
 
@@ -375,7 +393,7 @@ async def test_the_written_id_keeps_the_other_extra_args():
     )
     assert extra_args(COMPLETIONS, response.content) == {
         "other": [1, "x"],
-        "output_rate_user": "alice",
+        **written("alice"),
     }
 
 
@@ -412,7 +430,7 @@ async def test_render_paths_are_never_rewritten(path):
 
 
 @pytest.mark.parametrize("app", [HEADER_APP, OPENAI_USER_APP], ids=["header", "user"])
-@pytest.mark.parametrize("path", sorted(GUARDED_PATHS))
+@pytest.mark.parametrize("path", sorted(JSON_PATHS))
 @pytest.mark.anyio
 async def test_a_client_sent_id_is_refused_in_the_gateway_modes(path, app):
     shape = GUARDED_PATHS[path]
@@ -488,9 +506,7 @@ async def test_a_bad_header_id_gets_400_naming_the_header(headers, message):
 async def test_the_openai_user_field_is_written_where_the_engine_reads_it(path):
     body = json.dumps({**MINIMAL_BODIES[path], "user": "alice"}).encode()
     response = await post(path, body, app=OPENAI_USER_APP)
-    assert extra_args(GUARDED_PATHS[path], response.content) == {
-        "output_rate_user": "alice"
-    }
+    assert extra_args(GUARDED_PATHS[path], response.content) == {**written("alice")}
     assert json.loads(response.content)["user"] == "alice"  # left for vLLM
 
 
@@ -570,10 +586,10 @@ async def test_a_required_user_that_is_present_passes():
     body = json.dumps({"prompt": "hi"}).encode()
     app = REQUIRED["header:X-User-Id"]
     response = await post("/v1/completions", body, app=app, headers={"x-user-id": "a"})
-    assert extra_args(COMPLETIONS, response.content) == {"output_rate_user": "a"}
+    assert extra_args(COMPLETIONS, response.content) == written("a")
     body = with_xargs(COMPLETIONS, {"output_rate_user": "a"})
     response = await post("/v1/completions", body, app=REQUIRED["xargs"])
-    assert response.content == body
+    assert extra_args(COMPLETIONS, response.content) == written("a")
 
 
 @pytest.mark.anyio
@@ -697,6 +713,10 @@ REVIEWED_UNGUARDED = {
 }
 
 
+#: Every task whose routes can submit a generation request.
+SUPPORTED_TASKS = ("generate", "transcription", "realtime")
+
+
 @pytest.fixture(scope="module")
 def vllm_post_routes() -> dict[str, Any]:
     """Path -> body annotation (None for a raw body) of every POST route of the
@@ -712,7 +732,7 @@ def vllm_post_routes() -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")
         env.setenv("VLLM_ENABLE_COHERE_API", "1")
-        app = build_app(args, supported_tasks=("generate",))
+        app = build_app(args, supported_tasks=SUPPORTED_TASKS)
     return {
         route.path: route.body_field.field_info.annotation if route.body_field else None
         for route in app.routes
