@@ -858,3 +858,15 @@ def test_sagemaker_invocations_dispatch_chat_and_completion_bodies(
     assert vllm_post_routes["/invocations"] is None  # a raw body
     types = {t.__name__ for t, _ in get_generate_invocation_types(("generate",))}
     assert types == {"ChatCompletionRequest", "CompletionRequest"}
+
+
+@pytest.mark.parametrize("value", [b"alice, bob", b"alice,bob", b","])
+@pytest.mark.anyio
+async def test_a_header_id_with_a_comma_gets_400(value):
+    # A proxy merges a header sent twice into "a, b": a fresh budget per
+    # combination.
+    body = json.dumps({"prompt": "hi"}).encode()
+    response = await post(
+        "/v1/completions", body, app=HEADER_APP, headers=[(b"x-user-id", value)]
+    )
+    assert "must not contain a comma" in error_message(response)

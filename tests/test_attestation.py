@@ -1,0 +1,100 @@
+"""Identity that fails closed by construction (``pacing.attestation``): in the
+attested mode the engine charges a named user only if the HTTP guard attested
+the id; a request that reached the engine any other way is anonymous, or
+refused when a user is required."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine_ext.hooks import _refuse_unguarded_front_ends
+from pacing.attestation import (
+    ATTESTATION_FIELD,
+    KEY_BYTES,
+    KEY_ENV,
+    AttestationKeyError,
+    RequestIdentity,
+    attest,
+    attested_mode,
+    ensure_key,
+    key_from,
+)
+from pacing.identity import ANONYMOUS_USER, USER_FIELD, XARGS_SOURCE, parse_user_source
+from pacing.settings_checks import SettingsError
+
+KEY = bytes(range(KEY_BYTES))
+HEADER = parse_user_source("header:x-user-id")
+
+
+def identity(*, require_user: bool = False) -> RequestIdentity:
+    return RequestIdentity(KEY, require_user=require_user, clock=lambda: 0)
+
+
+def test_only_a_gateway_source_or_a_required_user_is_attested():
+    assert not attested_mode(XARGS_SOURCE, False)
+    assert attested_mode(XARGS_SOURCE, True)
+    assert attested_mode(HEADER, False)
+
+
+def test_an_attested_id_is_charged_to_its_user():
+    xargs = {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "vip")}
+    assert identity().user_of("r", xargs) == "vip"
+
+
+@pytest.mark.parametrize(
+    "xargs",
+    [
+        {USER_FIELD: "vip"},  # a route or front end that bypassed the guard
+        {USER_FIELD: "vip", ATTESTATION_FIELD: "0" * 64},  # forged
+        {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "other")},  # replayed
+        {USER_FIELD: "vip", ATTESTATION_FIELD: attest(b"k" * KEY_BYTES, "vip")},
+        {USER_FIELD: "vip", ATTESTATION_FIELD: "é"},
+        {USER_FIELD: 5, ATTESTATION_FIELD: attest(KEY, "5")},
+        None,
+    ],
+)
+def test_an_unattested_request_is_anonymous_or_refused_when_a_user_is_required(
+    xargs,
+):
+    assert identity().user_of("r", xargs) == ANONYMOUS_USER
+    assert identity(require_user=True).user_of("r", xargs) is None
+
+
+def test_without_the_attested_mode_the_client_names_its_user():
+    plain = RequestIdentity(None, require_user=False, clock=lambda: 0)
+    assert plain.user_of("r", {USER_FIELD: "vip"}) == "vip"
+    assert plain.user_of("r", {USER_FIELD: ""}) == ANONYMOUS_USER
+
+
+def test_the_attested_mode_refuses_to_start_without_a_key():
+    with pytest.raises(AttestationKeyError, match=KEY_ENV):
+        RequestIdentity.for_settings(HEADER, False, {}, lambda: 0)
+    with pytest.raises(AttestationKeyError, match="hex"):
+        key_from({KEY_ENV: "not hex"})
+    with pytest.raises(AttestationKeyError, match="at least"):
+        key_from({KEY_ENV: "00"})
+
+
+def test_a_key_is_generated_once_and_kept():
+    environ: dict[str, str] = {}
+    ensure_key(environ)
+    first = environ[KEY_ENV]
+    ensure_key(environ)
+    assert environ[KEY_ENV] == first
+    assert len(key_from(environ)) == KEY_BYTES
+
+
+@pytest.mark.parametrize(
+    ("grpc", "rust", "refused"),
+    [(True, "0", "--grpc"), (False, "1", "VLLM_USE_RUST_FRONTEND")],
+)
+def test_front_ends_without_the_guard_are_refused_in_the_attested_mode(
+    monkeypatch, grpc, rust, refused
+):
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", rust)
+    with pytest.raises(SettingsError, match=refused):
+        _refuse_unguarded_front_ends(argparse.Namespace(grpc=grpc))
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "0")
+    _refuse_unguarded_front_ends(argparse.Namespace(grpc=False))
