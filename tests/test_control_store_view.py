@@ -43,7 +43,9 @@ class Engine:
     ) -> None:
         self.rig: Rig = make_rig(10, {"alice": 1})
         shared = self.rig.shared
-        self.balances = ClaimedBalances(shared.limiter)
+        # One engine, stated (--output-rate-store-expected-engines 1): the
+        # health below is that of an engine whose local share is known.
+        self.balances = ClaimedBalances(shared.limiter, assumed_engines=1)
         self.budget = StoreBudget(
             self.balances,
             shared.limiter,
