@@ -207,7 +207,7 @@ def test_a_mode_change_is_written_to_the_file(path, rig):
 def test_a_failed_write_leaves_the_mode_as_it_was(path, rig, monkeypatch):
     service, _ = started(path, rig)
 
-    def full_disk(*args):
+    def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
