@@ -38,23 +38,16 @@ def check(settings: ControlSettings) -> None:
     Checks nothing when the control plane is off."""
     if not settings.enabled:
         return
+    auth_token, tls = secrets.auth_token(settings), secrets.tls(settings)
     try:
-        check_authenticated(
-            settings.address,
-            auth_token=secrets.auth_token(settings),
-            tls=secrets.tls(settings),
-        )
+        check_authenticated(settings.address, auth_token=auth_token, tls=tls)
     except BindRefused as exc:
         raise SettingsError(
             f"{ADDRESS_FLAG}: {exc} ({TOKEN_FILE_FLAG} or ${TOKEN_ENV} sets a "
             f"token, {TLS_CLIENT_CA_FLAG} mTLS)"
         ) from None
     try:
-        check_token_over_tls(
-            settings.address,
-            auth_token=secrets.auth_token(settings),
-            tls=secrets.tls(settings),
-        )
+        check_token_over_tls(settings.address, auth_token=auth_token, tls=tls)
     except BindRefused as exc:
         raise SettingsError(
             f"{ADDRESS_FLAG}: {exc} ({TLS_CERT_FLAG} and {TLS_KEY_FLAG} set TLS)"
