@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -258,7 +259,7 @@ def check_payload(
         return None
     written = {USER_FIELD: valid}
     if policy.key is not None:
-        written[ATTESTATION_FIELD] = attest(policy.key, valid)
+        written[ATTESTATION_FIELD] = attest(policy.key, valid, int(time.time()))
     return written
 
 

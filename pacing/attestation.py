@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Final
 
@@ -42,6 +43,13 @@ ATTESTATION_FIELD: Final = "output_rate_attestation"
 KEY_ENV: Final = "OUTPUT_RATE_ATTESTATION_KEY"
 #: Key size in bytes (HMAC-SHA256's block-size-independent strength).
 KEY_BYTES: Final = 32
+#: How long an attestation is accepted after the guard issued it (seconds): the
+#: engine reads it when the request arrives, normally milliseconds later; the
+#: API server's preprocessing (media fetched from URLs, tokenizing) takes longer.
+LIFETIME_S: Final = 300
+#: How far in the future an issue time may be (seconds): engines started apart
+#: (``--headless``) read another host's clock.
+CLOCK_SKEW_S: Final = 30
 
 
 class AttestationKeyError(ValueError):
@@ -81,22 +89,36 @@ def key_from(environ: Mapping[str, str]) -> bytes:
     return key
 
 
-def attest(key: bytes, user: str) -> str:
-    """The attestation of ``user`` (already a valid id) under ``key``."""
-    return hmac.new(key, user.encode("utf-8"), hashlib.sha256).hexdigest()
+def attest(key: bytes, user: str, issued_at: int) -> str:
+    """The attestation of ``user`` (already a valid id) under ``key``, issued at
+    ``issued_at`` (Unix seconds): ``"<issued_at>.<hex HMAC>"``. The time makes
+    it expire: vLLM's request log (``--enable-log-requests``) prints extra
+    args, so an attestation read there is worth ``LIFETIME_S`` at most."""
+    mac = hmac.new(key, f"{issued_at}\x00{user}".encode(), hashlib.sha256)
+    return f"{issued_at}.{mac.hexdigest()}"
 
 
-def attested_user(key: bytes, extra_args: Mapping[str, Any] | None) -> str | None:
-    """The id ``extra_args`` names if its attestation matches, else None (no
-    id, no attestation, a forged one, or values of the wrong type)."""
+def attested_user(
+    key: bytes, extra_args: Mapping[str, Any] | None, now: float
+) -> str | None:
+    """The id ``extra_args`` names if its attestation matches and was issued
+    within ``LIFETIME_S`` before ``now`` (Unix seconds; up to ``CLOCK_SKEW_S``
+    after it), else None (no id, no attestation, a forged, expired or
+    malformed one, or values of the wrong type)."""
     if not extra_args:
         return None
     user = extra_args.get(USER_FIELD)
     tag = extra_args.get(ATTESTATION_FIELD)
     if not isinstance(user, str) or not isinstance(tag, str):
         return None
+    issued_text, _, _ = tag.partition(".")
+    if not issued_text.isascii() or not issued_text.isdigit() or len(issued_text) > 12:
+        return None
+    issued_at = int(issued_text)
+    if not now - LIFETIME_S <= issued_at <= now + CLOCK_SKEW_S:
+        return None
     try:
-        expected = attest(key, user).encode()
+        expected = attest(key, user, issued_at).encode()
     except UnicodeEncodeError:  # a lone surrogate
         return None
     sent = tag.encode("utf-8", "replace")
@@ -118,11 +140,19 @@ class RequestIdentity:
     """
 
     def __init__(
-        self, key: bytes | None, *, require_user: bool, clock: Callable[[], int]
+        self,
+        key: bytes | None,
+        *,
+        require_user: bool,
+        clock: Callable[[], int],
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._key = key
         self._require_user = require_user
+        #: Rate-limits the log lines (ns).
         self._clock = clock
+        #: Unix time, to check an attestation's age across processes and hosts.
+        self._wall_clock = wall_clock
         self._logged_at_ns: int | None = None
         self._unlogged = 0
 
@@ -153,7 +183,7 @@ class RequestIdentity:
                     "request %s: %s; charging it as %s", request_id, exc, ANONYMOUS_USER
                 )
                 return ANONYMOUS_USER
-        user = attested_user(self._key, extra_args)
+        user = attested_user(self._key, extra_args, self._wall_clock())
         if user is not None:
             return user
         if self._require_user:

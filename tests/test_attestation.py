@@ -12,8 +12,10 @@ import pytest
 from engine_ext.hooks import _refuse_unguarded_front_ends
 from pacing.attestation import (
     ATTESTATION_FIELD,
+    CLOCK_SKEW_S,
     KEY_BYTES,
     KEY_ENV,
+    LIFETIME_S,
     AttestationKeyError,
     RequestIdentity,
     attest,
@@ -28,8 +30,14 @@ KEY = bytes(range(KEY_BYTES))
 HEADER = parse_user_source("header:x-user-id")
 
 
+#: Unix seconds on the identity's wall clock in these tests.
+NOW = 1_800_000_000
+
+
 def identity(*, require_user: bool = False) -> RequestIdentity:
-    return RequestIdentity(KEY, require_user=require_user, clock=lambda: 0)
+    return RequestIdentity(
+        KEY, require_user=require_user, clock=lambda: 0, wall_clock=lambda: NOW
+    )
 
 
 def test_only_a_gateway_source_or_a_required_user_is_attested():
@@ -38,8 +46,9 @@ def test_only_a_gateway_source_or_a_required_user_is_attested():
     assert attested_mode(HEADER, False)
 
 
-def test_an_attested_id_is_charged_to_its_user():
-    xargs = {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "vip")}
+@pytest.mark.parametrize("issued_at", [NOW, NOW - LIFETIME_S, NOW + CLOCK_SKEW_S])
+def test_an_attested_id_is_charged_to_its_user(issued_at):
+    xargs = {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "vip", issued_at)}
     assert identity().user_of("r", xargs) == "vip"
 
 
@@ -48,10 +57,26 @@ def test_an_attested_id_is_charged_to_its_user():
     [
         {USER_FIELD: "vip"},  # a route or front end that bypassed the guard
         {USER_FIELD: "vip", ATTESTATION_FIELD: "0" * 64},  # forged
-        {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "other")},  # replayed
-        {USER_FIELD: "vip", ATTESTATION_FIELD: attest(b"k" * KEY_BYTES, "vip")},
+        {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "other", NOW)},  # other's
+        {USER_FIELD: "vip", ATTESTATION_FIELD: attest(b"k" * KEY_BYTES, "vip", NOW)},
+        # Expired (as vLLM's request log may show it), or from the future.
+        {
+            USER_FIELD: "vip",
+            ATTESTATION_FIELD: attest(KEY, "vip", NOW - LIFETIME_S - 1),
+        },
+        {
+            USER_FIELD: "vip",
+            ATTESTATION_FIELD: attest(KEY, "vip", NOW + CLOCK_SKEW_S + 1),
+        },
+        # Another issue time under the same MAC, and a malformed time.
+        {
+            USER_FIELD: "vip",
+            ATTESTATION_FIELD: f"{NOW - 1}." + attest(KEY, "vip", NOW).split(".")[1],
+        },
+        {USER_FIELD: "vip", ATTESTATION_FIELD: "-1." + "0" * 64},
+        {USER_FIELD: "vip", ATTESTATION_FIELD: "١٢." + "0" * 64},
         {USER_FIELD: "vip", ATTESTATION_FIELD: "é"},
-        {USER_FIELD: 5, ATTESTATION_FIELD: attest(KEY, "5")},
+        {USER_FIELD: 5, ATTESTATION_FIELD: attest(KEY, "5", NOW)},
         None,
     ],
 )

@@ -36,6 +36,8 @@ from pacing.identity import parse_user_source, validate_user
 from pacing.settings import OutputRateSettings
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
+#: The guard's clock in these tests (Unix seconds).
+NOW = 1_800_000_000
 #: The guarded paths with JSON bodies (the audio endpoints take forms).
 JSON_PATHS = {path: shape for path, shape in GUARDED_PATHS.items() if not shape.form}
 SAMPLING_PATHS = sorted(path for path, shape in JSON_PATHS.items() if shape.samples)
@@ -70,9 +72,13 @@ APP = guarded_app()
 
 @pytest.fixture(autouse=True)
 def attestation_key(monkeypatch: pytest.MonkeyPatch) -> str:
-    """The key ``vllm serve`` puts in the environment in the attested mode."""
+    """The key ``vllm serve`` puts in the environment in the attested mode,
+    and the guard's clock stopped at ``NOW`` so that what it writes is known."""
     key = "11" * KEY_BYTES
     monkeypatch.setenv(KEY_ENV, key)
+    monkeypatch.setattr(
+        engine_ext.http_guard, "time", SimpleNamespace(time=lambda: NOW)
+    )
     return key
 
 
@@ -80,7 +86,7 @@ def written(user: str) -> dict[str, str]:
     """What the guard writes in the attested mode: the id and its attestation
     under ``attestation_key``'s key."""
     key = bytes.fromhex("11" * KEY_BYTES)
-    return {"output_rate_user": user, ATTESTATION_FIELD: attest(key, user)}
+    return {"output_rate_user": user, ATTESTATION_FIELD: attest(key, user, NOW)}
 
 
 async def post(

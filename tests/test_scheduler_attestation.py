@@ -5,11 +5,19 @@ a user required, finished with an error before any step and its client told."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from pacing.attestation import ATTESTATION_FIELD, KEY_BYTES, KEY_ENV, attest
+from pacing.attestation import (
+    ATTESTATION_FIELD,
+    KEY_BYTES,
+    KEY_ENV,
+    LIFETIME_S,
+    attest,
+)
 from pacing.identity import ANONYMOUS_USER
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler, make_request, model_output_for
@@ -22,6 +30,11 @@ GATEWAY = {"user_source": "header:x-user-id"}
 def attestation_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The key ``vllm serve`` hands the engine core in the attested mode."""
     monkeypatch.setenv(KEY_ENV, KEY.hex())
+
+
+def now() -> int:
+    """The guard's clock: Unix seconds."""
+    return int(time.time())
 
 
 def request_as(user: str, attestation: str | None):
@@ -40,19 +53,21 @@ def test_an_unattested_request_is_charged_to_the_anonymous_budget(
     )
     driver.add(
         [
-            request_as("vip", attest(KEY, "vip")),
+            request_as("vip", attest(KEY, "vip", now())),
             request_as("victim", None),  # bypassed the guard
             request_as("victim", "0" * 64),  # forged
-            request_as("victim", attest(KEY, "vip")),  # another user's
+            request_as("victim", attest(KEY, "vip", now())),  # another user's
+            # An old one, as vLLM's request log may show it.
+            request_as("victim", attest(KEY, "victim", now() - LIFETIME_S - 5)),
         ]
     )
     driver.run(10)
     driver.settle()
     assert scheduler.accounting.of("vip").charged > 0
     assert scheduler.accounting.of("victim").charged == 0
-    # Three requests' worth: every step charged each of them once.
+    # Four requests' worth: every step charged each of them once.
     anonymous = scheduler.accounting.of(ANONYMOUS_USER).charged
-    assert anonymous == 3 * scheduler.accounting.of("vip").charged
+    assert anonymous == 4 * scheduler.accounting.of("vip").charged
 
 
 @MODES
@@ -65,7 +80,7 @@ def test_with_a_user_required_an_unattested_request_ends_in_an_error_unscheduled
         default_rate=100_000,
         output_rate={**GATEWAY, "require_user": True},
     )
-    attested = request_as("vip", attest(KEY, "vip"))
+    attested = request_as("vip", attest(KEY, "vip", now()))
     bypassed = request_as("victim", None)
     driver.add([attested, bypassed])
     assert bypassed.status == RequestStatus.FINISHED_ERROR
