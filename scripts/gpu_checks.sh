@@ -27,7 +27,8 @@ for mode in async sync; do
 done
 # Speculative decoding with async scheduling (vLLM runs draft-model drafting
 # async on GPUs only): pacing end to end, and paced untriggered vs stock.
-"$VENV/bin/python" -m pytest -q tests/test_e2e_spec_decode.py
+# Compiled, as served on GPUs (the suite's servers otherwise run eager).
+OUTPUT_RATE_EAGER_SERVERS=0 "$VENV/bin/python" -m pytest -q tests/test_e2e_spec_decode.py
 "$VENV/bin/python" -m benchmarks.compare_stock --async-scheduling --only throughput \
   --speculative draft_model --throughput-runs 5 --json "$out/compare-spec.json" \
   | tee "$out/compare-spec.txt"

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from tools.local_server import EAGER_ENV, free_port, start_server
 from tools.tiny_model import ensure_tiny_model
+
+# The suite's servers skip torch.compile (tools.local_server.EAGER_ENV says why);
+# an explicit value in the environment wins.
+os.environ.setdefault(EAGER_ENV, "1")
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +52,6 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     import json
 
     import httpx
-
-    from tools.local_server import free_port, start_server
 
     workdir = tmp_path_factory.mktemp("server")
     control_address = f"127.0.0.1:{free_port()}"

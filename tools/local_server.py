@@ -23,6 +23,11 @@ STARTUP_TIMEOUT_S = 420
 #: (pyproject.toml), and the packages those plugins live in.
 PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.stat_logger_plugins")
 OUR_PACKAGES = ("engine_ext", "control")
+#: "1": servers run eager (``--enforce-eager``). The test suite sets it
+#: (tests/conftest.py): torch.compile's warm-up is about 30 s of every start on
+#: 2 CPU cores and buys the 2-layer tiny model nothing. Unset or "0" (the demo,
+#: the benchmarks, the GPU checks): the model is compiled as vLLM defaults.
+EAGER_ENV = "OUTPUT_RATE_EAGER_SERVERS"
 
 
 def free_port() -> int:
@@ -155,6 +160,7 @@ def start_server(
         "0.3",
         "--max-num-seqs",
         "32",
+        *(["--enforce-eager"] if os.environ.get(EAGER_ENV) == "1" else []),
         *extra_args,
     ]
     log = log_path.open("w")
