@@ -1,4 +1,4 @@
-"""The seed article's measurement (README, "Benchmarks"), side by side in one run, on
+"""The seed article's measurement (docs/benchmarks.md), side by side in one run, on
 a real local vLLM server: per-user rates against limits, an unthrottled user's speed
 alone and beside a throttled one, and engine-core CPU while every user is parked.
 The comparison with a stock server is ``benchmarks.compare_stock``, which reuses

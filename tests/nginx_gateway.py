@@ -1,6 +1,6 @@
 """Debian's nginx as the gateway in front of a vLLM server in end-to-end tests: it
 maps each API key (``Authorization: Bearer KEY``) to a user id and sets that id
-as a request header. ``gateway_config`` is the recipe the README shows;
+as a request header. ``gateway_config`` is the recipe docs/operating/identity.md shows;
 ``start_gateway`` runs it on loopback inside a minimal nginx.conf of its own."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ STARTUP_TIMEOUT_S = 30
 #: variable, an escape or the end of a string.
 _PLAIN = re.compile(r"[A-Za-z0-9._~+/=:-]+")
 
-#: The values the README's recipe is rendered with.
-README_EXAMPLE = {
+#: The values the docs' recipe (docs/operating/identity.md) is rendered with.
+DOCS_EXAMPLE = {
     "listen": "127.0.0.1:8080",
     "upstream": "http://127.0.0.1:8000",
     "keys": {"sk-alice-1": "alice", "sk-alice-2": "alice", "sk-bob": "bob"},

@@ -24,7 +24,7 @@ import pytest
 
 from tests import unguarded_route
 from tests.nginx_gateway import (
-    README_EXAMPLE,
+    DOCS_EXAMPLE,
     Gateway,
     gateway_config,
     start_gateway,
@@ -40,7 +40,10 @@ KEYS = {"sk-alice-1": "alice", "sk-alice-2": "alice", "sk-bob": "bob"}
 #: Ids the clients try to pass for their own; unlisted, so the default limit
 #: (50x alice's) would be theirs if a forged id were ever honoured.
 FORGED = "mallory"
-README = Path(__file__).resolve().parent.parent / "README.md"
+#: Where the nginx recipe is documented.
+IDENTITY_DOC = (
+    Path(__file__).resolve().parent.parent / "docs" / "operating" / "identity.md"
+)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +276,6 @@ def test_a_route_the_guard_does_not_know_cannot_charge_a_named_user(
     assert user_state(header_server.control_address, "__anonymous__") is None
 
 
-def test_the_readme_recipe_is_the_config_the_tests_run():
-    blocks = re.findall(r"```nginx\n(.*?)```", README.read_text(), re.DOTALL)
-    assert blocks == [gateway_config(**README_EXAMPLE)]
+def test_the_documented_recipe_is_the_config_the_tests_run():
+    blocks = re.findall(r"```nginx\n(.*?)```", IDENTITY_DOC.read_text(), re.DOTALL)
+    assert blocks == [gateway_config(**DOCS_EXAMPLE)]

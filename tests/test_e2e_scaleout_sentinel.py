@@ -5,9 +5,10 @@ user streams at 30 tok/s on both engines: the engines go degraded (the gauge
 shows the gap), pace the user at their local shares meanwhile, follow the
 sentinels to the promoted replica, and claim from it again.
 
-The failover bound (README, "Failover"): over a window holding a gap of g
-seconds in which the store did not answer, the user's total stays within the
-issue's bound plus what the engines' local shares may grant in the gap,
+The failover bound (docs/operating/scale-out.md, "Failover"): over a window
+holding a gap of g seconds in which the store did not answer, the user's total
+stays within the issue's bound plus what the engines' local shares may grant in
+the gap,
 (g + 0.1)·R + N (each of the N engines paces at R / N with a burst of its
 own). The writes the failover lost (replication lags by ``lag``) add nothing
 here: the new master answered more than ``lag`` + 0.1 s after them, when the

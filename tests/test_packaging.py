@@ -92,8 +92,8 @@ def test_wheel_holds_every_runtime_module(wheel_names: list[str]) -> None:
 
 def test_wheel_declares_every_plugin_entry_point(wheel: Path) -> None:
     """vLLM loads the adapter, the control plane and the store each from its own
-    entry point (README, "Layout"): without the second no control plane ever
-    starts, without the third no store is ever used."""
+    entry point (docs/development.md, "What runs where"): without the second no
+    control plane ever starts, without the third no store is ever used."""
     with zipfile.ZipFile(wheel) as archive:
         (name,) = [n for n in archive.namelist() if n.endswith("/entry_points.txt")]
         entry_points = configparser.ConfigParser()

@@ -1,4 +1,4 @@
-"""Scheduling rules (README "Spec promise → code → test") on vLLM's real
+"""Scheduling rules (docs/reference/spec-promises.md) on vLLM's real
 Scheduler / AsyncScheduler and KV manager, with controlled model-runner outputs and
 a fake clock."""
 

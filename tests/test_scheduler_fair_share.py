@@ -30,10 +30,10 @@ MIN_RUN = 16
 
 def gap_bound(slots: int, prompt_len: int, min_weight: float = 1.0) -> float:
     """The stated bound on the counter gap between two backlogged users when
-    slots are what is scarce (README, "Fair share"): the hysteresis, plus what
-    the user ahead can gain while a move waits for its request's
-    ``min_run_tokens`` (every slot decoding for it at the output price), plus
-    one admission's prompt, all over the smallest weight."""
+    slots are what is scarce (docs/concepts/fair-share.md, "The guarantee"): the
+    hysteresis, plus what the user ahead can gain while a move waits for its
+    request's ``min_run_tokens`` (every slot decoding for it at the output
+    price), plus one admission's prompt, all over the smallest weight."""
     return HYSTERESIS + (2.0 * MIN_RUN * slots + 1.0 * prompt_len) / min_weight
 
 

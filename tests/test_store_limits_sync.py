@@ -493,8 +493,8 @@ def set_default_succeeds(target: Engine, rate: int) -> bool:
         return set_default(target, rate).tokens_per_second == rate
     except grpc.RpcError as error:
         # ABORTED too: a write that timed out while Redis was stopped may still
-        # land once it runs again (README), moving the version past this
-        # engine's; the engine applies that table and the caller retries.
+        # land once it runs again (docs/operating/scale-out.md), moving the version
+        # past this engine's; the engine applies that table and the caller retries.
         assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
         return False
 

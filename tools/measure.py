@@ -188,7 +188,7 @@ def most_tokens(limits: Sequence[tuple[float, int]], until: float) -> float:
     force when the last token was charged, plus one (a limit change keeps the
     user's token debt, so it grants no fresh burst). Where that last charge fell is
     not known, so the largest value over every place is taken. With one limit it is
-    the limiter's guarantee ``(W + burst) * limit + 1`` (README, "How it works").
+    the limiter's guarantee ``(W + burst) * limit + 1`` (docs/concepts/pacing.md).
     """
     earned, ceiling = 0.0, -math.inf
     for i, (start, rate) in enumerate(limits):

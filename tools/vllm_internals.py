@@ -1,8 +1,8 @@
 """Every vLLM internal per-user pacing relies on, with what vLLM 0.32.0 has.
 
 The one list ``tools.vllm_drift`` checks another vLLM source against: the rows
-of README's "Hooks into vLLM" table, the Scheduler members and ``Request``
-fields ``engine_ext/scheduling/upstream.py`` reaches, the methods
+of the "Hooks into vLLM" table (docs/development.md), the Scheduler members
+and ``Request`` fields ``engine_ext/scheduling/upstream.py`` reaches, the methods
 ``engine_ext/scheduler.py`` overrides, those ``engine_ext/hooks.py`` wraps, and
 the config fields ``engine_ext/supported.py`` reads. Each row states the form
 0.32.0 has (a method's signature, an attribute's kind) and, where a hook depends
@@ -193,14 +193,14 @@ SCHEDULER: tuple[Internal, ...] = (
         "get_request_counts",
         "method",
         "(self)",
-        "README (hidden parked requests)",
+        "docs/development.md (hidden parked requests)",
         _in_schedule("call", "schedule", "schedule"),
     ),
     _sched(
         "_update_after_schedule",
         "method",
         "(self, scheduler_output)",
-        "README (Request.is_prefill_chunk)",
+        "docs/development.md (Request.is_prefill_chunk)",
         _in_schedule("call", "schedule"),
     ),
     _sched("_request_blocks_can_be_freed", "method", "(self, request)", UPSTREAM_PY),
