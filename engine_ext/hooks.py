@@ -173,18 +173,21 @@ def _wrap_function(module: ModuleType, name: str, wrapper: Callable[..., Any]) -
 
 # -- command line -----------------------------------------------------------
 
+#: The argument group of our flags in vLLM's parsers (``--help`` shows it).
+FLAG_GROUP_TITLE = "Per-user output pacing"
+FLAG_GROUP_DESCRIPTION = (
+    "Cap each user's output tokens per second inside the scheduler (GCRA). "
+    f"The user comes from {USER_SOURCE_FLAG} (by default "
+    "vllm_xargs.output_rate_user; none: __anonymous__)."
+)
+
 
 def _add_cli_args(
     original: Callable[[FlexibleArgumentParser], FlexibleArgumentParser],
     parser: FlexibleArgumentParser,
 ) -> FlexibleArgumentParser:
     parser = original(parser)
-    group = parser.add_argument_group(
-        "Per-user output pacing",
-        "Cap each user's output tokens per second inside the scheduler (GCRA). "
-        "The user comes from --output-rate-user-source (by default "
-        "vllm_xargs.output_rate_user; none: __anonymous__).",
-    )
+    group = parser.add_argument_group(FLAG_GROUP_TITLE, FLAG_GROUP_DESCRIPTION)
     settings_cli.add_cli_args(group)
     return parser
 

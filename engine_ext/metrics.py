@@ -325,34 +325,39 @@ class OutputRateMetrics:
         self._limit_values: dict[str, int] = {}
         self._labelled_tiers: set[str] = set()
         self._tier_limit_values: dict[str, int] = {}
+        self._definitions: tuple[Counter | Gauge | Histogram, ...] = (
+            *self._counters.values(),
+            self._idle_wait,
+            self._throttled,
+            self._tracked,
+            self._limits,
+            self._limit_changes,
+            self._reloads,
+            self._rpcs,
+            self._mode,
+            *self._tier_counters.values(),
+            self._tier_limits,
+            self._store_round_trips,
+            self._store_latency,
+            *self._store_tokens.values(),
+            self._store_degraded,
+            self._store_live_engines,
+            self._fair_share_enabled,
+            self._fair_share_gap,
+        )
         if registry is not None:
-            collector = _Collector(
-                [
-                    *self._counters.values(),
-                    self._idle_wait,
-                    self._throttled,
-                    self._tracked,
-                    self._limits,
-                    self._limit_changes,
-                    self._reloads,
-                    self._rpcs,
-                    self._mode,
-                    *self._tier_counters.values(),
-                    self._tier_limits,
-                    self._store_round_trips,
-                    self._store_latency,
-                    *self._store_tokens.values(),
-                    self._store_degraded,
-                    self._store_live_engines,
-                    self._fair_share_enabled,
-                    self._fair_share_gap,
-                ]
-            )
+            collector = _Collector(self._definitions)
             previous = _collectors.get(registry)
             if previous is not None:
                 registry.unregister(previous)
             registry.register(collector)
             _collectors[registry] = collector
+
+    @property
+    def definitions(self) -> tuple[Counter | Gauge | Histogram, ...]:
+        """Every metric this exports, as defined (name, type, labels, help);
+        the reference pages read them (``tools.reference_docs``)."""
+        return self._definitions
 
     def apply(self, payload: Payload, engine: int = 0) -> None:
         """Adds the payload's deltas and sets its gauges; ``engine`` is the

@@ -36,6 +36,19 @@ ADDRESS_OFF = "off"
 #: file is given (read by the control plane and by ``output-rate-ctl``).
 TOKEN_ENV = "OUTPUT_RATE_CONTROL_TOKEN"
 
+#: ``OutputRateSettings`` field outside the limit table -> the flag that sets it
+#: (both weights come from one flag).
+SETTING_FLAGS = {
+    "default_rate": DEFAULT_RATE_FLAG,
+    "mode": MODE_FLAG,
+    "user_source": USER_SOURCE_FLAG,
+    "require_user": REQUIRE_USER_FLAG,
+    "fair_share": FAIR_SHARE_FLAG,
+    "user_weights": WEIGHTS_FLAG,
+    "tier_weights": WEIGHTS_FLAG,
+    "fair_share_config": FAIR_SHARE_CONFIG_FLAG,
+}
+
 #: Limit-table field of ``OutputRateSettings`` -> its flag.
 TABLE_FLAGS = {
     "user_rates": USER_RATES_FLAG,

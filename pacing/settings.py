@@ -75,6 +75,7 @@ from pacing.flag_names import (
     FAIR_SHARE_FLAG,
     MODE_FLAG,
     REQUIRE_USER_FLAG,
+    SETTING_FLAGS,
     TABLE_FLAGS,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
@@ -98,11 +99,12 @@ from pacing.settings_checks import (
     parse_json,
 )
 from pacing.settings_cli import dest, store_from_cli_args
-from pacing.store_settings import STORE_FLAG, StoreSettings
+from pacing.store_settings import STORE_FLAG, STORE_FLAGS, StoreSettings
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
     "DEFAULT_MAX_LABELLED_USERS",
+    "FLAG_KEYS",
     "ControlSettings",
     "MetricsSettings",
     "OutputRateSettings",
@@ -115,6 +117,24 @@ ADDITIONAL_CONFIG_KEY = "output_rate"
 _MOVED_KEYS = {"output_rate_control": "control", "output_rate_metrics": "metrics"}
 #: Default cap on users with their own ``user`` metrics label.
 DEFAULT_MAX_LABELLED_USERS = 100
+
+
+def _flag_keys() -> dict[str, tuple[str, ...]]:
+    keys: dict[str, tuple[str, ...]] = {}
+    for prefix, flags in (
+        ("", {**SETTING_FLAGS, **TABLE_FLAGS}),
+        ("control.", CONTROL_FLAGS),
+        ("store.", STORE_FLAGS),
+    ):
+        for name, flag in flags.items():
+            keys[flag] = (*keys.get(flag, ()), prefix + name)
+    return keys
+
+
+#: Each flag -> the keys of our ``additional_config`` entry that hold its value
+#: (``control.*`` and ``store.*``: inside those objects); what the reference
+#: pages show (``tools.reference_docs``).
+FLAG_KEYS: dict[str, tuple[str, ...]] = _flag_keys()
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from pacing.store_settings import (
     PASSWORD_ENV,
     PASSWORD_FILE_FLAG,
     STORE_FLAG,
+    STORE_FLAGS,
     TIMEOUT_FLAG,
     FailureMode,
     StoreSettings,
@@ -77,6 +78,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         DEFAULT_RATE_FLAG,
         type=_rate_arg,
         default=None,
+        metavar="N",
         help="Enables pacing: output tokens/s shared by all requests of a user "
         "without an explicit limit. Unset: the scheduler behaves as upstream.",
     )
@@ -84,6 +86,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         USER_RATES_FLAG,
         type=_json_arg(USER_RATES_FLAG),
         default=None,
+        metavar="JSON",
         help="Per-user limits as a JSON object, e.g. '{\"user-a\": 100}'.",
     )
     group.add_argument(
@@ -99,6 +102,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         TIERS_FLAG,
         type=_json_arg(TIERS_FLAG),
         default=None,
+        metavar="JSON",
         help='Named rate classes as a JSON object, e.g. \'{"free": 20, "pro": 200}\' '
         "(tokens/s for each member).",
     )
@@ -106,6 +110,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         TIER_MEMBERS_FLAG,
         type=_json_arg(TIER_MEMBERS_FLAG),
         default=None,
+        metavar="JSON",
         help='Tier of each user as a JSON object, e.g. \'{"user-b": "pro"}\'. A '
         "user's own limit wins over its tier's.",
     )
@@ -113,12 +118,14 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         EXEMPT_USERS_FLAG,
         type=_json_arg(EXEMPT_USERS_FLAG),
         default=None,
+        metavar="JSON",
         help="Users never throttled, as a JSON array, e.g. '[\"ops\"]'.",
     )
     group.add_argument(
         EXEMPT_TIERS_FLAG,
         type=_json_arg(EXEMPT_TIERS_FLAG),
         default=None,
+        metavar="JSON",
         help="Tiers whose members (those without a limit of their own) are never "
         "throttled, as a JSON array, e.g. '[\"staff\"]'.",
     )
@@ -150,6 +157,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         WEIGHTS_FLAG,
         type=_checked(weights_from_flag),
         default=None,
+        metavar="JSON",
         help='Fair-share weights as JSON, e.g. \'{"users": {"alice": 2}, "tiers": '
         "{\"pro\": 4}}' (a user's own weight wins over its tier's; default 1).",
     )
@@ -157,6 +165,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         FAIR_SHARE_CONFIG_FLAG,
         type=_checked(config_from_flag),
         default=None,
+        metavar="JSON",
         help="Fair-share pricing as JSON: prompt_price (1) and output_price (2) "
         "per token computed, hysteresis (1024 weighted units a user must be "
         "ahead before its request yields a slot) and min_run_tokens (16 tokens "
@@ -165,6 +174,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     group.add_argument(
         ADDRESS_FLAG,
         default=DEFAULT_ADDRESS,
+        metavar="HOST:PORT",
         help="host:port of the gRPC control plane (limits, per-user state); "
         f"'{ADDRESS_OFF}' runs none. Non-loopback addresses need a token or mTLS.",
     )
@@ -265,15 +275,8 @@ def dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-#: ``StoreSettings`` field -> its flag; the URL's flag turns the store on.
-_STORE_FLAGS = {
-    "password_file": PASSWORD_FILE_FLAG,
-    "failure_mode": FAILURE_MODE_FLAG,
-    "failure_after_s": FAILURE_AFTER_FLAG,
-    "timeout_ms": TIMEOUT_FLAG,
-    "fleet": FLEET_FLAG,
-    "expected_engines": EXPECTED_ENGINES_FLAG,
-}
+#: ``StoreSettings`` field -> its flag, but the URL's (which turns the store on).
+_STORE_FLAGS = {name: flag for name, flag in STORE_FLAGS.items() if flag != STORE_FLAG}
 
 
 def store_from_cli_args(args: argparse.Namespace) -> StoreSettings | None:

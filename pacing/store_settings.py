@@ -37,6 +37,17 @@ FAILURE_MODE_FLAG = "--output-rate-store-failure-mode"
 FAILURE_AFTER_FLAG = "--output-rate-store-failure-after"
 EXPECTED_ENGINES_FLAG = "--output-rate-store-expected-engines"
 
+#: ``StoreSettings`` field -> its flag; the URL's flag turns the store on.
+STORE_FLAGS = {
+    "url": STORE_FLAG,
+    "password_file": PASSWORD_FILE_FLAG,
+    "failure_mode": FAILURE_MODE_FLAG,
+    "failure_after_s": FAILURE_AFTER_FLAG,
+    "timeout_ms": TIMEOUT_FLAG,
+    "fleet": FLEET_FLAG,
+    "expected_engines": EXPECTED_ENGINES_FLAG,
+}
+
 #: Seconds of outage before the failure mode applies.
 DEFAULT_FAILURE_AFTER_S = 5.0
 #: One store call's timeout: the claimer would rather report a slow store than
