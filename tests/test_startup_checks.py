@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -258,43 +259,87 @@ def test_the_hook_checks_nothing_without_pacing(tmp_path):
     assert "output_rate" not in (engine_args.additional_config or {})
 
 
-# -- a real start, one case per family -------------------------------------------
+# -- real starts ------------------------------------------------------------------
+
+#: A real start per family of bad setting: (flag, value, what the line says).
+#: ``{dir}`` is a directory, ``{missing}`` a path that does not exist, ``{taken}``
+#: an address another socket listens on.
+BAD_SETTINGS = {
+    "limits file": (CONFIG_FLAG, "{dir}", "Is a directory"),
+    "address": (ADDRESS_FLAG, "0.0.0.0:50151", "no authentication"),
+    "port": (ADDRESS_FLAG, "{taken}", "Address already in use"),
+    "token file": (TOKEN_FILE_FLAG, "{missing}", "No such file"),
+    "token in clear text": (ADDRESS_FLAG, "0.0.0.0:50151", "in clear text"),
+}
+STORE_URL = "redis://127.0.0.1:6379/0"
+SECRET = "s3cret-Pa55"
+#: The store's, refused by the parser or the start-up hook: (arguments, line).
+BAD_STORE_SETTINGS = {
+    "password in the URL": (
+        [STORE_FLAG, f"redis://:{SECRET}@127.0.0.1:6379/0"],
+        f"argument {STORE_FLAG}: {STORE_FLAG} must not hold a password",
+    ),
+    "missing password file": (
+        [STORE_FLAG, STORE_URL, PASSWORD_FILE_FLAG, "{missing}"],
+        f"error: {PASSWORD_FILE_FLAG} {{missing}}: No such file",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "family", ["limits file", "address", "port", "token file", "token in clear text"]
-)
-def test_a_bad_setting_ends_the_start_before_the_model_loads(
-    tiny_model_dir, tmp_path, taken_address, family
-):
-    directory = tmp_path / "limits.json"
-    directory.mkdir()
-    flag, value, cause = {
-        "limits file": (CONFIG_FLAG, str(directory), "Is a directory"),
-        "address": (ADDRESS_FLAG, "0.0.0.0:50151", "no authentication"),
-        "port": (ADDRESS_FLAG, taken_address, "Address already in use"),
-        "token file": (TOKEN_FILE_FLAG, str(tmp_path / "token"), "No such file"),
-        "token in clear text": (ADDRESS_FLAG, "0.0.0.0:50151", "in clear text"),
-    }[family]
-    environment = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    if family == "token in clear text":
-        environment[TOKEN_ENV] = "s3cret"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine_ext.serve",
-            tiny_model_dir,
-            "--default-user-output-tokens-per-second",
-            "100",
-            flag,
-            value,
-        ],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.fixture(scope="module")
+def refused_starts(
+    tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, subprocess.CompletedProcess[str]], dict[str, str]]]:
+    """Every real start of this file, run side by side (each is mostly vLLM's
+    import, about 15 s here), with the paths and address they were given."""
+    workdir = tmp_path_factory.mktemp("refused-starts")
+    (workdir / "limits.json").mkdir()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        places = {
+            "dir": str(workdir / "limits.json"),
+            "missing": str(workdir / "missing"),
+            "taken": f"127.0.0.1:{other.getsockname()[1]}",
+        }
+        environment = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        starts: dict[str, tuple[list[str], dict[str, str]]] = {
+            family: ([flag, value.format(**places)], environment)
+            for family, (flag, value, _) in BAD_SETTINGS.items()
+        }
+        starts["token in clear text"] = (
+            starts["token in clear text"][0],
+            {**environment, TOKEN_ENV: "s3cret"},
+        )
+        for case, (arguments, _) in BAD_STORE_SETTINGS.items():
+            starts[case] = ([a.format(**places) for a in arguments], environment)
+
+        def start(case: str) -> subprocess.CompletedProcess[str]:
+            arguments, env = starts[case]
+            return subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "engine_ext.serve",
+                    tiny_model_dir,
+                    "--default-user-output-tokens-per-second",
+                    "100",
+                    *arguments,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        with ThreadPoolExecutor(len(starts)) as pool:
+            yield dict(zip(starts, pool.map(start, starts), strict=True)), places
+
+
+@pytest.mark.parametrize("family", list(BAD_SETTINGS))
+def test_a_bad_setting_ends_the_start_before_the_model_loads(refused_starts, family):
+    flag, _, cause = BAD_SETTINGS[family]
+    completed = refused_starts[0][family]
     assert completed.returncode == 2
     lines = completed.stderr.splitlines()
     # vLLM's import-time warnings may come first; ours is the last line and the
@@ -308,9 +353,6 @@ def test_a_bad_setting_ends_the_start_before_the_model_loads(
 
 
 # -- the store's settings ------------------------------------------------------
-
-STORE_URL = "redis://127.0.0.1:6379/0"
-SECRET = "s3cret-Pa55"
 
 
 def test_the_hook_refuses_an_unreadable_store_password_file(tmp_path, capsys):
@@ -376,37 +418,15 @@ def test_the_store_password_is_read_where_it_connects_not_in_the_api_process(
     assert SECRET not in repr(additional)
 
 
-@pytest.mark.parametrize("case", ["password in the URL", "missing password file"])
+@pytest.mark.parametrize("case", list(BAD_STORE_SETTINGS))
 def test_a_bad_store_setting_ends_the_start_before_the_model_loads(
-    tiny_model_dir, tmp_path, case
+    refused_starts, case
 ):
-    store_args, expected = {
-        "password in the URL": (
-            [STORE_FLAG, f"redis://:{SECRET}@127.0.0.1:6379/0"],
-            f"argument {STORE_FLAG}: {STORE_FLAG} must not hold a password",
-        ),
-        "missing password file": (
-            [STORE_FLAG, STORE_URL, PASSWORD_FILE_FLAG, str(tmp_path / "password")],
-            f"error: {PASSWORD_FILE_FLAG} {tmp_path / 'password'}: No such file",
-        ),
-    }[case]
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine_ext.serve",
-            tiny_model_dir,
-            "--default-user-output-tokens-per-second",
-            "100",
-            *store_args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    starts, places = refused_starts
+    completed = starts[case]
     assert completed.returncode == 2
     lines = completed.stderr.splitlines()
-    assert expected in lines[-1]
+    assert BAD_STORE_SETTINGS[case][1].format(**places) in lines[-1]
     output = completed.stdout + completed.stderr
     assert SECRET not in output  # not in an error, nor in vLLM's logged args
     assert "Traceback" not in output
