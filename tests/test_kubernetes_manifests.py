@@ -21,8 +21,9 @@ kustomize's, objects and order), and every object rendered is checked:
   token or mTLS), with every file it names laid out as the pod's volumes would
   hold them after the init container ran (the init script itself is run);
 - the Redis configuration: a real ``redis-server`` started on it keeps the
-  persistence the README asks for (``appendonly yes``, ``appendfsync
-  everysec``), never evicts, and requires the password;
+  persistence docs/operating/scale-out.md, "How it works" asks for
+  (``appendonly yes``, ``appendfsync everysec``), never evicts, and requires
+  the password;
 - every shell script in the manifests parses (``sh -n``).
 
 Negative tests check that a broken object of each kind is rejected.
@@ -934,8 +935,9 @@ def test_a_missing_file_fails_the_start_up_checks(serve_parser, tmp_path):
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=ident)
 def test_the_control_plane_is_loopback_or_tls_with_authentication(path):
-    """README Security: beyond loopback only with TLS and a token, or mTLS;
-    the checks are the control plane's own (control.server)."""
+    """docs/security.md, "Where each port may be reached": beyond loopback
+    only with TLS and a token, or mTLS; the checks are the control plane's own
+    (control.server)."""
     flags = flag_values(engine_argv(render(path)))
     address = flags["--output-rate-control-address"]
     token = "token" if "--output-rate-control-token-file" in flags else None
