@@ -3,7 +3,7 @@ real gRPC server, and how long it holds the lock the scheduler holds for every
 step (the time a step may wait behind it); then what a client looping on
 ``ListUserStates`` adds to a scheduler step's p99, side by side: no reader, a
 reader on the old path (the whole read under one hold) and on the current one
-(bounded holds, ``control.user_states``).
+(bounded holds, ``control.service.user_states``).
 
 ``python -m benchmarks.control_scale [--users 10000] [--calls 50] [--steps 1000]``
 """
@@ -22,8 +22,8 @@ import grpc
 
 from control.pagination import PageTokens
 from control.server import create_server
-from control.service import LimitsService
-from control.user_states import MOST_THROTTLED_FIRST, list_user_states
+from control.service.operations import LimitsService
+from control.service.user_states import MOST_THROTTLED_FIRST, list_user_states
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
 from pacing.shared import SharedLimiter

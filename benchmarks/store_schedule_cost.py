@@ -53,7 +53,7 @@ from benchmarks.compare_stock import (
 )
 from benchmarks.table import Row, ratio_of_medians, render
 from pacing.limiter import MAX_RATE
-from pacing.store_settings import StoreSettings
+from pacing.settings.store import StoreSettings
 from store.runtime import RunningStore, attach
 from tools.redis_server import redis_server
 from tools.scheduler_harness import Driver

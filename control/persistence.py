@@ -63,7 +63,7 @@ import weakref
 from pathlib import Path
 
 from control.errors import ControlError, InvalidArgument
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from control.table import TableDocument, dumps, format_of, loads
 from pacing.fair_share_policy import SharePolicy
 from pacing.global_limits import LimitsVersion

@@ -5,7 +5,7 @@ through its registration point, ``pacing.attachments``."""
 from __future__ import annotations
 
 from pacing import attachments
-from pacing.settings import OutputRateSettings
+from pacing.settings.model import OutputRateSettings
 from pacing.shared import SharedLimiter
 
 

@@ -15,7 +15,8 @@ from control import secrets
 from control.errors import InvalidArgument
 from control.persistence import ConfigFile
 from control.server import BindRefused, check_authenticated, check_token_over_tls
-from pacing.flag_names import (
+from pacing.settings.checks import SettingsError
+from pacing.settings.flags import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
     TLS_CERT_FLAG,
@@ -24,8 +25,7 @@ from pacing.flag_names import (
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
 )
-from pacing.settings import ControlSettings
-from pacing.settings_checks import SettingsError
+from pacing.settings.model import ControlSettings
 
 
 def check(settings: ControlSettings) -> None:

@@ -9,7 +9,7 @@ it has a rate or an exemption (its weight alone does not make one).
 Invariant: the etag of an entry, a tier or the mode is a digest of its fields
 and this process's epoch only, so the same fields read twice in one process give
 the same etag, and no etag from before a restart matches. (The table's etag
-counts committed tables instead: ``control.commits``.)
+counts committed tables instead: ``control.service.commits``.)
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ from control.persistence import (
     load_at_start,
 )
 from control.server import ControlServer, create_server
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from control.table import TableDocument
 from pacing import global_limits
 from pacing.modes import Mode
-from pacing.settings import ControlSettings, OutputRateSettings
+from pacing.settings.model import ControlSettings, OutputRateSettings
 from pacing.shared import ControlPlaneSnapshot, SharedLimiter
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.

@@ -12,15 +12,15 @@ import os
 from pathlib import Path
 
 from control.server import TlsConfig
-from pacing.flag_names import (
+from pacing.settings.checks import SettingsError
+from pacing.settings.flags import (
     TLS_CERT_FLAG,
     TLS_CLIENT_CA_FLAG,
     TLS_KEY_FLAG,
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
 )
-from pacing.settings import ControlSettings
-from pacing.settings_checks import SettingsError
+from pacing.settings.model import ControlSettings
 
 
 def auth_token(settings: ControlSettings) -> str | None:

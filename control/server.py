@@ -22,7 +22,7 @@ from control.interceptors.auth import BearerTokenInterceptor
 from control.interceptors.error_mapping import ErrorMappingInterceptor
 from control.interceptors.tracing import TracingInterceptor
 from control.rpc_counts import RpcCounts
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from control.servicer import MAX_WATCHES, SERVICE_NAME, OutputRateControlServicer
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 

@@ -22,7 +22,7 @@ from control.resources import (
     TierSpec,
     UserState,
 )
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from pacing.budget import Health, StoreView
 from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as _pb2

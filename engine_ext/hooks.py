@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from engine_ext import idle_stats
 from engine_ext.supported import check_supported
-from pacing import attachments, settings_cli
+from pacing import attachments
 from pacing.attestation import attested_mode, ensure_key
-from pacing.flag_names import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
-from pacing.settings import ADDITIONAL_CONFIG_KEY, OutputRateSettings
-from pacing.settings_checks import SettingsError
+from pacing.settings import cli as settings_cli
+from pacing.settings.checks import SettingsError
+from pacing.settings.flags import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
+from pacing.settings.model import ADDITIONAL_CONFIG_KEY, OutputRateSettings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

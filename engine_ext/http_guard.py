@@ -43,7 +43,6 @@ from engine_ext.form_bodies import (
     unquotable_name,
 )
 from pacing.attestation import ATTESTATION_FIELD, attest, attested_mode, key_from
-from pacing.flag_names import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
 from pacing.identity import (
     HEADER,
     OPENAI_USER,
@@ -53,7 +52,8 @@ from pacing.identity import (
     UserSource,
     validate_user,
 )
-from pacing.settings import OutputRateSettings
+from pacing.settings.flags import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
+from pacing.settings.model import OutputRateSettings
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send

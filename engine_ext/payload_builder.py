@@ -38,7 +38,7 @@ from pacing.accounting import Accounting, UserCounters
 from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
-from pacing.settings import DEFAULT_MAX_LABELLED_USERS
+from pacing.settings.model import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
 from pacing.store_stats import StoreStats
 

@@ -64,7 +64,7 @@ from pacing.attestation import RequestIdentity
 from pacing.budget import BudgetSource
 from pacing.identity import XARGS_SOURCE
 from pacing.limiter import OutputRateLimiter
-from pacing.settings import OutputRateSettings
+from pacing.settings.model import OutputRateSettings
 from pacing.shared import SharedLimiter
 
 # Under vLLM's logger so that its handlers, format and level apply.

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from engine_ext.plugin import register
-    from pacing.settings_checks import SettingsError
+    from pacing.settings.checks import SettingsError
 
     register()  # also when the package is not installed (no entry point)
     cli_env_setup()

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pacing.flag_names import DEFAULT_RATE_FLAG
-from pacing.settings import OutputRateSettings
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import STORE_FLAG
+from pacing.settings.checks import SettingsError
+from pacing.settings.flags import DEFAULT_RATE_FLAG
+from pacing.settings.model import OutputRateSettings
+from pacing.settings.store import STORE_FLAG
 
 #: What every refusal's message starts with; its reason follows.
 REFUSAL_PREFIX = f"per-user output pacing ({DEFAULT_RATE_FLAG}) cannot run with "

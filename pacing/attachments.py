@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from pacing.settings import OutputRateSettings
+from pacing.settings.model import OutputRateSettings
 from pacing.shared import SharedLimiter
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.

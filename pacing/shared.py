@@ -18,7 +18,7 @@ step costs the scheduler one uncontended acquire and release (well under a
 microsecond); the price is that a control-plane call delays the next step by
 as long as it holds the lock, so control-plane code under the lock never does
 I/O and a read of user states holds it for a bounded number of users at a time
-(``control.user_states``: about 1 ms per hold; a get well under 1 ms). A
+(``control.service.user_states``: about 1 ms per hold; a get well under 1 ms). A
 tier's rate or exemption change is
 O(members) in C set and dict operations plus a rescale of each member holding
 state (at 50,000 members, about 5 ms when few hold state, 55 ms when all

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pacing.budget import Health, StoreView
 from pacing.claims import ClaimedBalances, fallback_rate
 from pacing.limiter import UNLIMITED, OutputRateLimiter
-from pacing.store_settings import FailureMode
+from pacing.settings.store import FailureMode
 
 #: How long a fail-closed engine waits before looking again on its own (a
 #: claim landing wakes it sooner).

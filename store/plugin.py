@@ -7,7 +7,7 @@ adapter never learns of Redis."""
 from __future__ import annotations
 
 from pacing import attachments
-from pacing.settings import OutputRateSettings
+from pacing.settings.model import OutputRateSettings
 from pacing.shared import SharedLimiter
 
 

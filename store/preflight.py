@@ -13,8 +13,8 @@ import ssl
 
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import STORE_FLAG, StoreSettings
+from pacing.settings.checks import SettingsError
+from pacing.settings.store import STORE_FLAG, StoreSettings
 from store.clients import LazyCluster, connect
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.

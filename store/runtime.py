@@ -13,9 +13,9 @@ import uuid
 
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S
+from pacing.settings.store import StoreSettings
 from pacing.shared import SharedLimiter
 from pacing.store_budget import StoreBudget
-from pacing.store_settings import StoreSettings
 from pacing.store_stats import StoreStats
 from store.claimer import Claimer
 from store.clients import connect

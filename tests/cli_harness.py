@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from control.cli import main
-from control.service import LimitsService
+from control.cli.main import main
+from control.service.operations import LimitsService
 from tests.control_harness import make_rig, serving
 
 TOKEN = "cli-token"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from control.server import ControlServer, TlsConfig, create_server
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
 from pacing.shared import RequestCounts, SharedLimiter

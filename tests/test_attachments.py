@@ -9,8 +9,8 @@ from control.plugin import register as register_control_plane
 from control.runner import ControlPlane
 from engine_ext.scheduler import OutputRateScheduler
 from pacing import attachments
-from pacing.settings import ControlSettings, OutputRateSettings
-from pacing.settings_checks import SettingsError
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import ControlSettings, OutputRateSettings
 from pacing.shared import SharedLimiter
 from tests.control_harness import make_rig
 from tools.scheduler_harness import make_scheduler

@@ -24,7 +24,7 @@ from pacing.attestation import (
     key_from,
 )
 from pacing.identity import ANONYMOUS_USER, USER_FIELD, XARGS_SOURCE, parse_user_source
-from pacing.settings_checks import SettingsError
+from pacing.settings.checks import SettingsError
 
 KEY = bytes(range(KEY_BYTES))
 HEADER = parse_user_source("header:x-user-id")

@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control import secrets
 from control.server import BindRefused, TlsConfig, create_server, is_loopback
-from control.service import LimitsService
-from pacing.settings import ControlSettings
-from pacing.settings_checks import SettingsError
+from control.service.operations import LimitsService
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
 from tests.control_harness import make_rig, serving

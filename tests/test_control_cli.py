@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from control.cli import main
-from pacing.flag_names import TOKEN_ENV
+from control.cli.main import main
+from pacing.settings.flags import TOKEN_ENV
 from tests import cli_harness
 from tests.cli_harness import TOKEN
 
@@ -76,7 +76,7 @@ def test_the_console_script_runs(served):
         [
             sys.executable,
             "-c",
-            "from control.cli import run; run()",
+            "from control.cli.main import run; run()",
             "--address",
             served.address,
             "--json",

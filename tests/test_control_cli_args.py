@@ -1,4 +1,4 @@
-"""``output-rate-ctl``'s argument checks (``control.cli_args``) against a real
+"""``output-rate-ctl``'s argument checks (``control.cli.args``) against a real
 in-process server: every bad argument is a one-line usage error that sends nothing;
 the bounds themselves are accepted."""
 
@@ -160,7 +160,7 @@ def test_the_console_script_refuses_a_huge_rate_with_one_line():
         [
             sys.executable,
             "-c",
-            "from control.cli import run; run()",
+            "from control.cli.main import run; run()",
             "--address",
             "127.0.0.1:1",  # nothing is sent
             "set",

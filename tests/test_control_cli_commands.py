@@ -1,4 +1,4 @@
-"""``output-rate-ctl``'s commands (``control.cli_commands``) against a real
+"""``output-rate-ctl``'s commands (``control.cli.commands``) against a real
 in-process server."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from control.cli import main
-from control.service import LimitsService
+from control.cli.main import main
+from control.service.operations import LimitsService
 from pacing.modes import Mode
 from tests import cli_harness
 from tests.cli_harness import entry

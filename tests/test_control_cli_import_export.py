@@ -1,4 +1,4 @@
-"""``output-rate-ctl export`` and ``import`` (``control.cli_import_export``)
+"""``output-rate-ctl export`` and ``import`` (``control.cli.import_export``)
 against a real in-process server."""
 
 from __future__ import annotations

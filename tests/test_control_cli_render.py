@@ -1,4 +1,4 @@
-"""``output-rate-ctl``'s output (``control.cli_render``) against a real in-process
+"""``output-rate-ctl``'s output (``control.cli.render``) against a real in-process
 server: aligned tables, errors on one line."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from control.cli import main
-from pacing.flag_names import TOKEN_ENV
+from control.cli.main import main
+from pacing.settings.flags import TOKEN_ENV
 from tests import cli_harness
 from tests.cli_harness import TOKEN
 

@@ -10,7 +10,7 @@ import math
 import grpc
 import pytest
 
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving

@@ -13,10 +13,10 @@ import pytest
 from control.errors import FailedPrecondition, InvalidArgument
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start
 from control.runner import serve
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from control.table import TableDocument
 from pacing.modes import Mode
-from pacing.settings import ControlSettings
+from pacing.settings.model import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
 from tests.control_harness import make_rig

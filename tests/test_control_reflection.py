@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from control.server import create_server
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from tests.control_harness import make_rig, serving
 
 SERVICE = "outputrate.v1.OutputRateControl"

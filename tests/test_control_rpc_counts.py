@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from control.rpc_counts import MAX_METHODS, OTHER_METHOD, RpcCounts
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from control.errors import InvalidArgument
 from control.runner import attach, serve
 from control.server import BindRefused
-from pacing.settings import ControlSettings, OutputRateSettings
+from pacing.settings.model import ControlSettings, OutputRateSettings
 from tests.control_harness import make_rig
 
 

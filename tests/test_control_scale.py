@@ -9,8 +9,12 @@ from collections import Counter
 
 import pytest
 
-from control.service import LimitsService
-from control.user_states import KEYS_PER_HOLD, MOST_THROTTLED_FIRST, STATES_PER_HOLD
+from control.service.operations import LimitsService
+from control.service.user_states import (
+    KEYS_PER_HOLD,
+    MOST_THROTTLED_FIRST,
+    STATES_PER_HOLD,
+)
 from pacing.shared import Reading
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving

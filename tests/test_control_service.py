@@ -11,7 +11,7 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import NS_PER_S, make_rig, serving
 

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from control.cli import main
-from control.service import LimitsService
+from control.cli.main import main
+from control.service.operations import LimitsService
 from pacing.claims import ClaimedBalances
 from pacing.limiter import OutputRateLimiter
+from pacing.settings.store import FailureMode
 from pacing.store_budget import DEGRADED_AFTER_NS, StoreBudget
-from pacing.store_settings import FailureMode
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from store.claimer import Claimer
 from store.clients import connect

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from control.table import MAX_TIERS
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving

@@ -16,9 +16,9 @@ from pacing.fair_share import (
     Weights,
     validate_weight,
 )
-from pacing.settings import OutputRateSettings
-from pacing.settings_checks import SettingsError
-from pacing.settings_cli import add_cli_args
+from pacing.settings.checks import SettingsError
+from pacing.settings.cli import add_cli_args
+from pacing.settings.model import OutputRateSettings
 
 
 @pytest.mark.parametrize(

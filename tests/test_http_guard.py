@@ -33,7 +33,7 @@ from engine_ext.http_guard import (
 )
 from pacing.attestation import ATTESTATION_FIELD, KEY_BYTES, KEY_ENV, attest
 from pacing.identity import parse_user_source, validate_user
-from pacing.settings import OutputRateSettings
+from pacing.settings.model import OutputRateSettings
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
 #: The guard's clock in these tests (Unix seconds).

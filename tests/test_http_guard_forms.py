@@ -27,7 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine_ext import http_guard
 from engine_ext.http_guard import GUARDED_PATHS, OutputRateRequestGuard
 from pacing.attestation import ATTESTATION_FIELD, KEY_BYTES, KEY_ENV, attest
-from pacing.settings import OutputRateSettings
+from pacing.settings.model import OutputRateSettings
 
 FORM_PATHS = sorted(path for path, shape in GUARDED_PATHS.items() if shape.form)
 TRANSCRIPTIONS = "/v1/audio/transcriptions"

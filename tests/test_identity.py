@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from control import names
 from control.errors import InvalidArgument
 from control.persistence import ConfigFile
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from control.table import loads, shown
 from engine_ext.http_guard import (
     GUARDED_PATHS,
@@ -34,8 +34,8 @@ from pacing.identity import (
     user_from_extra_args,
     validate_user,
 )
-from pacing.settings import OutputRateSettings
-from pacing.settings_checks import SettingsError, parse_user_rates
+from pacing.settings.checks import SettingsError, parse_user_rates
+from pacing.settings.model import OutputRateSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 

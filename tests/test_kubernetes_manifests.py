@@ -56,8 +56,8 @@ from control.server import (
     check_authenticated,
     check_token_over_tls,
 )
-from pacing.settings import OutputRateSettings
-from pacing.settings_checks import SettingsError
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import OutputRateSettings
 from pacing.store_url import parse_url
 from tests import kustomize_render, serve_parser_harness
 from tools import kubernetes_manifests

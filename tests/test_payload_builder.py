@@ -18,7 +18,7 @@ from engine_ext.payload_parser import parse
 from engine_ext.stats_payload import COUNTER_FIELDS, OTHER_METHOD, OTHER_USER
 from pacing.accounting import Accounting
 from pacing.modes import Mode
-from pacing.settings import DEFAULT_MAX_LABELLED_USERS
+from pacing.settings.model import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
 from tests.payload_harness import build
 

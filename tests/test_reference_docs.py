@@ -75,8 +75,8 @@ def test_each_page_says_it_is_generated_and_holds_nothing_of_this_machine(pages,
 
 
 def _our_flags() -> list[str]:
-    """The flags ``pacing.settings_cli`` adds, on a parser of its own."""
-    from pacing import settings_cli
+    """The flags ``pacing.settings.cli`` adds, on a parser of its own."""
+    from pacing.settings import cli as settings_cli
 
     parser = argparse.ArgumentParser()
     settings_cli.add_cli_args(parser)
@@ -84,7 +84,7 @@ def _our_flags() -> list[str]:
 
 
 def test_every_flag_vllm_serve_gets_from_us_is_on_the_flags_page(pages):
-    from pacing.settings import ADDITIONAL_CONFIG_KEY, FLAG_KEYS
+    from pacing.settings.model import ADDITIONAL_CONFIG_KEY, FLAG_KEYS
 
     group = ref.serve_flag_group()
     in_vllm = [action.option_strings[0] for action in group._group_actions]
@@ -102,8 +102,8 @@ def test_every_flag_vllm_serve_gets_from_us_is_on_the_flags_page(pages):
 
 
 def test_every_additional_config_key_names_a_settings_field():
-    from pacing.flag_names import SETTING_FLAGS, TABLE_FLAGS
-    from pacing.settings import FLAG_KEYS, OutputRateSettings
+    from pacing.settings.flags import SETTING_FLAGS, TABLE_FLAGS
+    from pacing.settings.model import FLAG_KEYS, OutputRateSettings
 
     assert sorted(FLAG_KEYS) == sorted(_our_flags())
     classes = ref._settings_classes()
@@ -120,22 +120,22 @@ def test_every_additional_config_key_names_a_settings_field():
 
 def test_the_flags_page_follows_the_code(monkeypatch):
     """A default the help text names, changed in the code, changes the page."""
-    import pacing.settings_cli
+    import pacing.settings.cli
 
-    monkeypatch.setattr(pacing.settings_cli, "DEFAULT_TIMEOUT_MS", 77)
+    monkeypatch.setattr(pacing.settings.cli, "DEFAULT_TIMEOUT_MS", 77)
     assert "(default 77)" in ref.flags_page()
 
 
 def test_a_flag_without_an_additional_config_key_is_refused(monkeypatch):
-    import pacing.settings_cli
+    import pacing.settings.cli
 
-    original = pacing.settings_cli.add_cli_args
+    original = pacing.settings.cli.add_cli_args
 
     def with_one_more(group):
         original(group)
         group.add_argument("--output-rate-made-up", help="not in FLAG_KEYS")
 
-    monkeypatch.setattr(pacing.settings_cli, "add_cli_args", with_one_more)
+    monkeypatch.setattr(pacing.settings.cli, "add_cli_args", with_one_more)
     with pytest.raises(LookupError, match="--output-rate-made-up"):
         ref.flags_page()
 
@@ -250,7 +250,7 @@ def test_every_refusal_is_on_its_page_in_order(pages):
 
 def test_the_refusal_message_is_the_prefix_and_the_reason():
     from engine_ext.supported import REFUSAL_PREFIX, REFUSALS, check_supported
-    from pacing.settings_checks import SettingsError
+    from pacing.settings.checks import SettingsError
 
     config = SimpleNamespace(
         additional_config={},

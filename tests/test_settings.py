@@ -1,4 +1,4 @@
-"""The settings objects (``pacing.settings``): what they accept, what they
+"""The settings objects (``pacing.settings.model``): what they accept, what they
 refuse naming the key, and their round trip through ``additional_config``."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 
 from pacing.limits import LimitSource
 from pacing.modes import Mode
-from pacing.settings import (
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import (
     DEFAULT_MAX_LABELLED_USERS,
     ControlSettings,
     MetricsSettings,
     OutputRateSettings,
 )
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import STORE_FLAG, StoreSettings
+from pacing.settings.store import STORE_FLAG, StoreSettings
 
 STORE_URL = "redis://127.0.0.1:6379/0"
 SECRET = "s3cret-Pa55"

@@ -1,4 +1,4 @@
-"""The flags (``pacing.settings_cli``) of the limits, the mode, the identity
+"""The flags (``pacing.settings.cli``) of the limits, the mode, the identity
 and the control plane, through vLLM's own serve parser and a plain argparse
 parser: what they put into ``additional_config``, and bad values and
 combinations refused naming the flag."""
@@ -14,11 +14,11 @@ import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from engine_ext import hooks
-from pacing import settings_cli
 from pacing.identity import HEADER, XARGS_SOURCE, UserSource
 from pacing.modes import Mode
-from pacing.settings import OutputRateSettings
-from pacing.settings_checks import SettingsError
+from pacing.settings import cli as settings_cli
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import OutputRateSettings
 from tests import serve_parser_harness
 
 # The serve parser's fixtures (tests/serve_parser_harness.py), registered here.

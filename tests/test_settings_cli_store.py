@@ -1,4 +1,4 @@
-"""The global store's flags (``pacing.settings_cli``), through vLLM's own serve
+"""The global store's flags (``pacing.settings.cli``), through vLLM's own serve
 parser and a plain argparse parser: what they put into ``additional_config``,
 bad values and combinations refused naming the flag and never showing a
 password, and the password file read in the API process."""
@@ -11,15 +11,15 @@ import json
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from pacing import settings_cli
-from pacing.settings import (
+from pacing.settings import cli as settings_cli
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import (
     DEFAULT_MAX_LABELLED_USERS,
     ControlSettings,
     MetricsSettings,
     OutputRateSettings,
 )
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import (
+from pacing.settings.store import (
     FAILURE_AFTER_FLAG,
     FAILURE_MODE_FLAG,
     PASSWORD_ENV,

@@ -12,9 +12,9 @@ from engine_ext import hooks
 from engine_ext.plugin import register
 from engine_ext.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from engine_ext.supported import check_supported
-from pacing.settings import OutputRateSettings
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import STORE_FLAG, StoreSettings
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import OutputRateSettings
+from pacing.settings.store import STORE_FLAG, StoreSettings
 from tools.scheduler_harness import make_scheduler
 
 register()

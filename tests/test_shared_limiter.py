@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from pacing.recent_rate import RecentRates
 from tests.control_harness import NS_PER_S, make_rig
 from tools.fake_clock import T0

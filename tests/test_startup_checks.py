@@ -24,16 +24,16 @@ from control.plugin import register as register_control_plane
 from control.runner import serve
 from control.server import BindRefused
 from engine_ext.plugin import register
-from pacing.flag_names import (
+from pacing.settings.checks import SettingsError
+from pacing.settings.flags import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
     TLS_CERT_FLAG,
     TOKEN_ENV,
     TOKEN_FILE_FLAG,
 )
-from pacing.settings import ControlSettings
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import PASSWORD_ENV, PASSWORD_FILE_FLAG, STORE_FLAG
+from pacing.settings.model import ControlSettings
+from pacing.settings.store import PASSWORD_ENV, PASSWORD_FILE_FLAG, STORE_FLAG
 from tests.control_harness import make_rig
 
 register()

@@ -10,8 +10,8 @@ import pytest
 from pacing.budget import StoreView
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S, UNLIMITED, OutputRateLimiter
+from pacing.settings.store import FailureMode
 from pacing.store_budget import DEGRADED_AFTER_NS, Health, StoreBudget
-from pacing.store_settings import FailureMode
 from tools.fake_clock import FakeClock
 
 MS = 1_000_000

@@ -17,9 +17,9 @@ import pytest
 import redis
 from redis.cluster import key_slot
 
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from pacing.modes import Mode
-from pacing.store_settings import FLEET_FLAG, STORE_FLAG, StoreSettings
+from pacing.settings.store import FLEET_FLAG, STORE_FLAG, StoreSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from store.clients import connect
 from store.limits_table import encode

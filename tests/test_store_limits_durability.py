@@ -21,7 +21,7 @@ import pytest
 from control.errors import Unavailable
 from control.persistence import ConfigFile
 from control.runner import ControlPlane, serve
-from pacing.settings import ControlSettings
+from pacing.settings.model import ControlSettings
 from pacing.shared import SharedLimiter
 from store.clients import connect
 from store.limits_sync import LimitsSync

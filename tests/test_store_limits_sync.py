@@ -22,12 +22,12 @@ import redis
 from control.errors import Unavailable
 from control.persistence import ConfigFile
 from control.runner import serve
-from control.service import LimitsService
+from control.service.operations import LimitsService
 from pacing import global_limits
 from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
 from pacing.modes import Mode
-from pacing.settings import ControlSettings
+from pacing.settings.model import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from store.clients import connect
 from store.limits_sync import LimitsSync

@@ -1,4 +1,4 @@
-"""The store's settings (``pacing.store_settings``): which URLs are taken, that a
+"""The store's settings (``pacing.settings.store``): which URLs are taken, that a
 password never is one of them nor travels in the settings, and that what is
 taken connects through redis-py as it says (a real ``redis-server`` for the
 password)."""
@@ -11,8 +11,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError
 
-from pacing.settings import OutputRateSettings
-from pacing.store_settings import (
+from pacing.settings.model import OutputRateSettings
+from pacing.settings.store import (
     PASSWORD_ENV,
     PASSWORD_FILE_FLAG,
     STORE_FLAG,

@@ -17,7 +17,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from engine_ext.plugin import register
-from pacing.store_settings import STORE_FLAG, StoreSettings
+from pacing.settings.store import STORE_FLAG, StoreSettings
 from store.clients import connect
 from store.plugin import register as register_store
 from store.redis_store import RedisStore

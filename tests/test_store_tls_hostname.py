@@ -17,8 +17,8 @@ import pytest
 import redis
 
 import store.clients
-from pacing.settings_checks import SettingsError
-from pacing.store_settings import STORE_FLAG, StoreSettings
+from pacing.settings.checks import SettingsError
+from pacing.settings.store import STORE_FLAG, StoreSettings
 from store.clients import connect
 from store.preflight import check
 from tools.redis_tls import Pki, _signed, make_pki, redis_tls_server

@@ -22,8 +22,8 @@ import redis
 
 from pacing.claims import ClaimedBalances, burst_tokens
 from pacing.limiter import NS_PER_S, OutputRateLimiter
+from pacing.settings.store import StoreSettings
 from pacing.store_budget import DEGRADED_AFTER_NS
-from pacing.store_settings import StoreSettings
 from store.claimer import DEFAULT_HEARTBEAT_NS, HEARTBEAT_LIFETIMES, Claimer
 from store.clients import connect
 from store.redis_store import RedisStore

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from pacing.store_settings import (
+from pacing.settings.store import (
     PASSWORD_ENV,
     PASSWORD_FILE_FLAG,
     STORE_FLAG,

@@ -14,7 +14,7 @@ twice:
   the metric objects themselves (``OutputRateMetrics.definitions``).
 - ``grpc-api.md``: the control plane's gRPC API, from the ``.proto`` files under
   ``protos/``, compiled by protoc with their comments (source info).
-- ``cli.md``: ``output-rate-ctl``, from its parser (``control.cli_args``).
+- ``cli.md``: ``output-rate-ctl``, from its parser (``control.cli.args``).
 - ``refused-configurations.md``: ``engine_ext.supported.REFUSALS``.
 
 The output is deterministic: the order is the code's (a parser's, a ``.proto``
@@ -334,7 +334,7 @@ def serve_flag_group() -> argparse._ArgumentGroup:
 def _settings_classes() -> dict[str, type]:
     """Each object of our ``additional_config`` entry ("" for the entry
     itself) -> the settings dataclass it is read into."""
-    from pacing.settings import OutputRateSettings
+    from pacing.settings.model import OutputRateSettings
 
     classes: dict[str, type] = {"": OutputRateSettings}
     for name, hint in typing.get_type_hints(OutputRateSettings).items():
@@ -354,7 +354,7 @@ def _settings_default(key: str, classes: dict[str, type]) -> object:
 
 
 def flags_page() -> str:
-    from pacing.settings import ADDITIONAL_CONFIG_KEY, FLAG_KEYS
+    from pacing.settings.model import ADDITIONAL_CONFIG_KEY, FLAG_KEYS
 
     group = serve_flag_group()
     classes = _settings_classes()
@@ -402,7 +402,11 @@ def flags_page() -> str:
             *table(["flag", "default", "`additional_config` key", "help"], areas[area]),
         ]
     body += stable.note()
-    sources = ["engine_ext/hooks.py", "pacing/settings_cli.py", "pacing/settings.py"]
+    sources = [
+        "engine_ext/hooks.py",
+        "pacing/settings/cli.py",
+        "pacing/settings/model.py",
+    ]
     return page("`vllm serve` flags", sources, body)
 
 
@@ -718,8 +722,8 @@ def grpc_api_page() -> str:
 
 
 def cli_parser() -> argparse.ArgumentParser:
-    """``output-rate-ctl``'s parser, as ``control.cli`` builds it."""
-    from control.cli_args import build_parser
+    """``output-rate-ctl``'s parser, as ``control.cli.main`` builds it."""
+    from control.cli.args import build_parser
 
     return build_parser()
 
@@ -795,7 +799,7 @@ def cli_page() -> str:
         if rows:
             body += ["", *table(["argument", "default", "help"], rows)]
     body += stable.note()
-    return page(f"`{prog}` CLI", ["control/cli_args.py"], body)
+    return page(f"`{prog}` CLI", ["control/cli/args.py"], body)
 
 
 # -- refused-configurations.md ------------------------------------------------------

@@ -13,8 +13,6 @@ import heapq
 from collections import Counter
 
 from control import names
-from control.commits import TableCommits
-from control.ordering import page_size, resume
 from control.pagination import PageTokens
 from control.resources import (
     Limit,
@@ -29,6 +27,8 @@ from control.resources import (
     table_of,
     tier_of,
 )
+from control.service.commits import TableCommits
+from control.service.ordering import page_size, resume
 
 
 def get_default_limit(commits: TableCommits, name: str) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from control.server import MAX_MESSAGE_BYTES, is_loopback
-from pacing.flag_names import TOKEN_ENV
+from pacing.settings.flags import TOKEN_ENV
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

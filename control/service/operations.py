@@ -4,8 +4,8 @@ the runner and the config-file persistence call.
 ``LimitsService`` holds the table's commit machinery (``commits``) and the page
 tokens, and hands each operation to the module of its concern:
 
-- ``service_reads``: the default, entries, tiers, the mode, the whole table;
-- ``service_writes``: changes of the default, an entry, a tier or the mode;
+- ``reads``: the default, entries, tiers, the mode, the whole table;
+- ``writes``: changes of the default, an entry, a tier or the mode;
 - ``table_writes``: replacing the whole table, reloading it from the config
   file;
 - ``write_requests``: the checks of a write request's own fields;
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from control import service_reads, service_writes, table_writes, user_states
-from control.commits import TableCommits
 from control.pagination import PageTokens
 from control.resources import (
     Limit,
@@ -38,10 +36,12 @@ from control.resources import (
     TierSpec,
     UserState,
 )
-from control.table import TableDocument
-from control.user_states import (
+from control.service import reads, table_writes, user_states, writes
+from control.service.commits import TableCommits
+from control.service.user_states import (
     WatchPlan,
 )
+from control.table import TableDocument
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
 
@@ -53,7 +53,7 @@ class LimitsService:
     ``persist``, when given, durably stores a whole new table (with the mode)
     before it is applied (raises OSError on failure). ``page_tokens`` signs page
     tokens (a fresh random key by default). ``global_store``: a store holds the
-    table (see ``control.commits``); changes are refused until its backend is
+    table (see ``control.service.commits``); changes are refused until its backend is
     registered.
     """
 
@@ -82,13 +82,13 @@ class LimitsService:
 
     def get_default_limit(self, name: str) -> int:
         """The default limit in tokens/s (0 while pacing is off)."""
-        return service_reads.get_default_limit(self._commits, name)
+        return reads.get_default_limit(self._commits, name)
 
     def update_default_limit(
         self, name: str, tokens_per_second: int, update_mask: Sequence[str]
     ) -> int:
         """Sets the default limit; returns it."""
-        return service_writes.update_default_limit(
+        return writes.update_default_limit(
             self._commits, name, tokens_per_second, update_mask
         )
 
@@ -96,7 +96,7 @@ class LimitsService:
 
     def get_limit(self, name: str) -> Limit:
         """The entry named ``limits/{user}``; NotFound without one."""
-        return service_reads.get_limit(self._commits, name)
+        return reads.get_limit(self._commits, name)
 
     def create_limit(
         self,
@@ -108,7 +108,7 @@ class LimitsService:
         weight: float = 0.0,
     ) -> Limit:
         """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
-        return service_writes.create_limit(
+        return writes.create_limit(
             self._commits,
             limit_id,
             tokens_per_second,
@@ -130,8 +130,8 @@ class LimitsService:
         weight: float = 0.0,
     ) -> Limit:
         """Changes the fields of entry ``name`` that ``update_mask`` selects;
-        see ``service_writes.update_limit``."""
-        return service_writes.update_limit(
+        see ``writes.update_limit``."""
+        return writes.update_limit(
             self._commits,
             name,
             tokens_per_second,
@@ -145,35 +145,29 @@ class LimitsService:
 
     def delete_limit(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
         """Removes the entry ``name`` (the default applies again)."""
-        service_writes.delete_limit(
-            self._commits, name, allow_missing=allow_missing, etag=etag
-        )
+        writes.delete_limit(self._commits, name, allow_missing=allow_missing, etag=etag)
 
     def list_limits(self, page_size: int, page_token: str) -> tuple[list[Limit], str]:
         """One page of entries in user id order, and the next page's token (""
         on the last page)."""
-        return service_reads.list_limits(
-            self._commits, self._tokens, page_size, page_token
-        )
+        return reads.list_limits(self._commits, self._tokens, page_size, page_token)
 
     # -- tiers -------------------------------------------------------------
 
     def get_tier(self, name: str) -> Tier:
         """The tier named ``tiers/{tier}``; NotFound without one."""
-        return service_reads.get_tier(self._commits, name)
+        return reads.get_tier(self._commits, name)
 
     def list_tiers(self, page_size: int, page_token: str) -> tuple[list[Tier], str]:
         """One page of tiers in tier id order, and the next page's token (""
         on the last page)."""
-        return service_reads.list_tiers(
-            self._commits, self._tokens, page_size, page_token
-        )
+        return reads.list_tiers(self._commits, self._tokens, page_size, page_token)
 
     def create_tier(
         self, tier_id: str, tokens_per_second: int, exempt: bool, weight: float = 0.0
     ) -> Tier:
         """Creates tier ``tier_id``; AlreadyExists if it exists."""
-        return service_writes.create_tier(
+        return writes.create_tier(
             self._commits, tier_id, tokens_per_second, exempt, weight
         )
 
@@ -189,8 +183,8 @@ class LimitsService:
         weight: float = 0.0,
     ) -> Tier:
         """Changes the fields of tier ``name`` that ``update_mask`` selects;
-        see ``service_writes.update_tier``."""
-        return service_writes.update_tier(
+        see ``writes.update_tier``."""
+        return writes.update_tier(
             self._commits,
             name,
             tokens_per_second,
@@ -203,15 +197,13 @@ class LimitsService:
 
     def delete_tier(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
         """Removes tier ``name``; FailedPrecondition while it has members."""
-        service_writes.delete_tier(
-            self._commits, name, allow_missing=allow_missing, etag=etag
-        )
+        writes.delete_tier(self._commits, name, allow_missing=allow_missing, etag=etag)
 
     # -- the pacing mode and the fair-share switch --------------------------
 
     def get_pacing_mode(self, name: str) -> PacingMode:
         """The pacing mode and the fair-share switch, with their etag."""
-        return service_reads.get_pacing_mode(self._commits, name)
+        return reads.get_pacing_mode(self._commits, name)
 
     def update_pacing_mode(
         self,
@@ -226,8 +218,8 @@ class LimitsService:
         """Switches the pacing mode and fair share as ``update_mask`` selects
         (``mode`` None: unset, or a value we do not know, refused where the mode
         is to change; ``mode_set``: whether the request holds one, by default
-        whether ``mode`` is given). See ``service_writes.update_pacing_mode``."""
-        return service_writes.update_pacing_mode(
+        whether ``mode`` is given). See ``writes.update_pacing_mode``."""
+        return writes.update_pacing_mode(
             self._commits,
             name,
             mode,
@@ -241,7 +233,7 @@ class LimitsService:
 
     def get_limits_table(self, name: str) -> LimitsTable:
         """The default, every entry and every tier, with the current etag."""
-        return service_reads.get_limits_table(self._commits, name)
+        return reads.get_limits_table(self._commits, name)
 
     def replace_limits_table(
         self,

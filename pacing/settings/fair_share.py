@@ -15,8 +15,8 @@ from dataclasses import asdict
 from typing import Any
 
 from pacing.fair_share import FairShareSettings, validate_weight
-from pacing.flag_names import FAIR_SHARE_CONFIG_FLAG, WEIGHTS_FLAG
-from pacing.settings_checks import SettingsError, check_keys, field_names, parse_json
+from pacing.settings.checks import SettingsError, check_keys, field_names, parse_json
+from pacing.settings.flags import FAIR_SHARE_CONFIG_FLAG, WEIGHTS_FLAG
 
 #: Keys of the weights object.
 WEIGHT_KEYS = ("users", "tiers")

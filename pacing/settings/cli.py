@@ -3,8 +3,8 @@ vLLM parser, each with an argparse ``type`` that checks its value as it is
 parsed, and ``dest`` and ``store_from_cli_args`` read the parsed values back.
 
 A bad value on its own is an argparse error; the rules across flags are checked
-once all are parsed, by ``OutputRateSettings.from_cli_args`` (``pacing.settings``),
-which this module does not import.
+once all are parsed, by ``OutputRateSettings.from_cli_args``
+(``pacing.settings.model``), which this module does not import.
 """
 
 from __future__ import annotations
@@ -12,8 +12,17 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from pacing.fair_share_settings import config_from_flag, weights_from_flag
-from pacing.flag_names import (
+from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
+from pacing.limiter import validate_rate
+from pacing.modes import Mode, parse_mode
+from pacing.settings.checks import (
+    SettingsError,
+    check_table_part,
+    name_set,
+    parse_json,
+)
+from pacing.settings.fair_share import config_from_flag, weights_from_flag
+from pacing.settings.flags import (
     ADDRESS_FLAG,
     ADDRESS_OFF,
     CONFIG_FLAG,
@@ -37,16 +46,7 @@ from pacing.flag_names import (
     USER_SOURCE_FLAG,
     WEIGHTS_FLAG,
 )
-from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
-from pacing.limiter import validate_rate
-from pacing.modes import Mode, parse_mode
-from pacing.settings_checks import (
-    SettingsError,
-    check_table_part,
-    name_set,
-    parse_json,
-)
-from pacing.store_settings import (
+from pacing.settings.store import (
     DEFAULT_FAILURE_AFTER_S,
     DEFAULT_TIMEOUT_MS,
     EXPECTED_ENGINES_FLAG,

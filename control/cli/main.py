@@ -7,9 +7,9 @@ the proto field holds and the server accepts, user ids by the one rule of
 ``pacing.identity.validate_user``); each error is reported in one line on
 stderr.
 
-The command is split by concern: ``control.cli_args`` (the parser and the
-argument checks), ``control.cli_commands`` (one function per command),
-``control.cli_render`` (JSON, tables, error lines) and ``control.cli_client``
+The command is split by concern: ``control.cli.args`` (the parser and the
+argument checks), ``control.cli.commands`` (one function per command),
+``control.cli.render`` (JSON, tables, error lines) and ``control.cli.client``
 (the channel, the client, the exit statuses). This module runs one command and
 turns how it ended into the exit status.
 """
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import grpc
 
-from control.cli_args import build_parser
-from control.cli_client import (
+from control.cli.args import build_parser
+from control.cli.client import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -31,8 +31,8 @@ from control.cli_client import (
     bearer_token,
     open_channel,
 )
-from control.cli_commands import Command
-from control.cli_render import print_error
+from control.cli.commands import Command
+from control.cli.render import print_error
 from control.errors import ControlError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main", "run"]

@@ -21,9 +21,9 @@ from typing import Any
 
 from control import names
 from control.errors import InvalidArgument, NotFound
-from control.ordering import MAX_PAGE_SIZE, Order, page_size, resume
 from control.pagination import PageTokens
 from control.resources import FairShareState, UserState
+from control.service.ordering import MAX_PAGE_SIZE, Order, page_size, resume
 from control.table import shown
 from pacing.budget import StoreViews
 from pacing.fair_share import FairShare

@@ -5,7 +5,7 @@ Invariant: every argument's value is checked here, before anything is sent:
 numbers against the range the proto field holds and the server accepts, user
 and tier ids by the one rule of ``pacing.identity.validate_user``, strings as
 well-formed Unicode (the combinations that create-tier and update-tier need
-are checked by those commands, and the token by ``control.cli_client``, also
+are checked by those commands, and the token by ``control.cli.client``, also
 before sending); a usage error is one line on stderr and exit status 2.
 """
 
@@ -16,21 +16,21 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
-from control import cli_commands, cli_import_export
-from control.cli_client import EXIT_USAGE
-from control.cli_commands import Command
-from control.cli_render import encodes, print_error
-from control.ordering import MAX_PAGE_SIZE
-from control.user_states import (
+from control.cli import commands, import_export
+from control.cli.client import EXIT_USAGE
+from control.cli.commands import Command
+from control.cli.render import encodes, print_error
+from control.service.ordering import MAX_PAGE_SIZE
+from control.service.user_states import (
     MAX_WATCH_INTERVAL_NS,
     MIN_WATCH_INTERVAL_NS,
     MOST_THROTTLED_FIRST,
 )
 from pacing.fair_share import validate_weight
-from pacing.flag_names import DEFAULT_ADDRESS, TOKEN_ENV
 from pacing.identity import validate_user
 from pacing.limiter import MAX_RATE
 from pacing.modes import Mode
+from pacing.settings.flags import DEFAULT_ADDRESS, TOKEN_ENV
 
 #: Longest --timeout: far beyond any call, far below where gRPC's deadline
 #: arithmetic overflows (about 1e10 s).
@@ -184,16 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per call (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subcommands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND"
+    )
 
     def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=summary, description=summary)
+        sub = subcommands.add_parser(name, help=summary, description=summary)
         sub.set_defaults(run=run)
         return sub
 
     sub = command(
         "list",
-        cli_commands.list_limits,
+        commands.list_limits,
         "list user entries: own limit, tier, exemption",
     )
     sub.add_argument(
@@ -202,11 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=MAX_PAGE_SIZE,
         help="limits per request (default %(default)s)",
     )
-    command("get", cli_commands.get_limit, "show one user's entry").add_argument(
+    command("get", commands.get_limit, "show one user's entry").add_argument(
         "user", type=_user
     )
     sub = command(
-        "set", cli_commands.set_limit, "set one user's limit (creates it if missing)"
+        "set", commands.set_limit, "set one user's limit (creates it if missing)"
     )
     sub.add_argument("user", type=_user)
     sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
@@ -215,53 +217,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command(
         "unset",
-        cli_commands.unset_limit,
+        commands.unset_limit,
         "remove one user's own limit (its tier or the default applies)",
     ).add_argument("user", type=_user)
     sub = command(
         "delete",
-        cli_commands.delete_entry,
+        commands.delete_entry,
         "delete one user's entry: limit, tier, exemption (the default applies again)",
     )
     sub.add_argument("user", type=_user)
     sub.add_argument(
         "--allow-missing", action="store_true", help="succeed if there is none"
     )
-    sub = command("assign", cli_commands.assign, "make a user a member of a tier")
+    sub = command("assign", commands.assign, "make a user a member of a tier")
     sub.add_argument("user", type=_user)
     sub.add_argument("tier", type=_tier)
-    command(
-        "unassign", cli_commands.unassign, "take a user out of its tier"
-    ).add_argument("user", type=_user)
-    command("exempt", cli_commands.exempt, "make a user unlimited").add_argument(
+    command("unassign", commands.unassign, "take a user out of its tier").add_argument(
+        "user", type=_user
+    )
+    command("exempt", commands.exempt, "make a user unlimited").add_argument(
         "user", type=_user
     )
     command(
         "unexempt",
-        cli_commands.unexempt,
+        commands.unexempt,
         "lift a user's exemption (its limit applies again)",
     ).add_argument("user", type=_user)
     sub = command(
         "set-weight",
-        cli_commands.set_weight,
+        commands.set_weight,
         "set one user's fair-share weight (creates its entry if missing)",
     )
     sub.add_argument("user", type=_user)
     sub.add_argument("weight", type=_weight, help="(0, 1000000]; default weight 1")
     command(
         "unset-weight",
-        cli_commands.unset_weight,
+        commands.unset_weight,
         "remove one user's own weight (its tier's, else 1, applies)",
     ).add_argument("user", type=_user)
-    command(
-        "list-tiers", cli_commands.list_tiers, "list tiers with their member counts"
-    )
-    command("get-tier", cli_commands.get_tier, "show one tier").add_argument(
+    command("list-tiers", commands.list_tiers, "list tiers with their member counts")
+    command("get-tier", commands.get_tier, "show one tier").add_argument(
         "tier", type=_tier
     )
     sub = command(
         "create-tier",
-        cli_commands.create_tier,
+        commands.create_tier,
         "create a tier: a rate, --exempt or both",
     )
     sub.add_argument("tier", type=_tier)
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = command(
         "update-tier",
-        cli_commands.update_tier,
+        commands.update_tier,
         "change a tier's rate or exemption (members follow at the next step)",
     )
     sub.add_argument("tier", type=_tier)
@@ -313,30 +313,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = command(
         "delete-tier",
-        cli_commands.delete_tier,
+        commands.delete_tier,
         "delete a tier (refused while it has members)",
     )
     sub.add_argument("tier", type=_tier)
     sub.add_argument(
         "--allow-missing", action="store_true", help="succeed if there is none"
     )
-    command("get-mode", cli_commands.get_mode, "show the pacing mode")
+    command("get-mode", commands.get_mode, "show the pacing mode")
     command(
         "set-mode",
-        cli_commands.set_mode,
+        commands.set_mode,
         "switch the pacing mode now (enforce, shadow, off)",
     ).add_argument("mode", choices=[mode.value for mode in Mode])
     command(
         "set-fair-share",
-        cli_commands.set_fair_share,
+        commands.set_fair_share,
         "switch weighted fair share on or off now",
     ).add_argument("switch", choices=["on", "off"])
-    command("get-default", cli_commands.get_default, "show the default limit")
-    command(
-        "set-default", cli_commands.set_default, "set the default limit"
-    ).add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
+    command("get-default", commands.get_default, "show the default limit")
+    command("set-default", commands.set_default, "set the default limit").add_argument(
+        "rate", type=_whole(1, MAX_RATE), help="tokens per second"
+    )
     sub = command(
-        "state", cli_commands.state, "show limiter state of one user, or of all users"
+        "state", commands.state, "show limiter state of one user, or of all users"
     )
     sub.add_argument("user", nargs="?", type=_user)
     sub.add_argument(
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--top", type=_whole(0), default=0, help="show at most N users (0: all)"
     )
-    sub = command("watch", cli_commands.watch, "show limiter state live")
+    sub = command("watch", commands.watch, "show limiter state live")
     sub.add_argument(
         "users",
         nargs="*",
@@ -378,13 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = command(
         "export",
-        cli_import_export.export,
+        import_export.export,
         "write the limits table and tiers as JSON (with its etag)",
     )
     sub.add_argument("file", nargs="?", help="output file (default: stdout)")
     sub = command(
         "import",
-        cli_import_export.import_table,
+        import_export.import_table,
         "replace the limits table and tiers from a file (not the mode)",
     )
     sub.add_argument("file", help="as written by export; - for stdin")

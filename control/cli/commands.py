@@ -17,8 +17,8 @@ from typing import Any, TextIO
 from google.protobuf import duration_pb2 as _duration_pb2
 
 from control import names
-from control.cli_client import EXIT_OK, Client, UsageError
-from control.cli_render import (
+from control.cli.client import EXIT_OK, Client, UsageError
+from control.cli.render import (
     LIMIT_COLUMNS,
     TIER_COLUMNS,
     emit,
@@ -33,7 +33,7 @@ from control.cli_render import (
     state_dict,
     tier_dict,
 )
-from control.ordering import MAX_PAGE_SIZE
+from control.service.ordering import MAX_PAGE_SIZE
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 Command = Callable[[Client, argparse.Namespace, TextIO], int]

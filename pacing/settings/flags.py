@@ -1,5 +1,5 @@
 """The command-line flag of every pacing setting (the store's flags are in
-``pacing.store_settings``), the tables from settings fields to their flags, and
+``pacing.settings.store``), the tables from settings fields to their flags, and
 the values the flags share with the settings objects.
 
 Names only, no logic and no imports: the parser, the checks and the settings

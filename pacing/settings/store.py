@@ -10,7 +10,7 @@ is refused; the settings carry only the password file's *path*, and the process
 that connects reads the file, or else ``OUTPUT_RATE_STORE_PASSWORD`` from its
 environment (``password``). No Redis import here: the client side is ``store/``.
 
-Errors are ValueError naming the flag; ``pacing.settings`` turns them into its
+Errors are ValueError naming the flag; ``pacing.settings.model`` turns them into its
 SettingsError. A message never echoes a URL, which may hold a password.
 """
 

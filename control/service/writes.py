@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from control import names
-from control.commits import TableCommits
 from control.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -39,6 +38,17 @@ from control.resources import (
     no_tier,
     pacing_mode,
 )
+from control.service.commits import TableCommits
+from control.service.write_requests import (
+    LIMIT_FIELDS,
+    MODE_FIELDS,
+    RATE_FIELD,
+    TIER_FIELDS,
+    WEIGHT_FIELD,
+    entry_rate,
+    mask_fields,
+    set_fields,
+)
 from control.table import (
     MAX_EXPLICIT_LIMITS,
     MAX_TIERS,
@@ -48,16 +58,6 @@ from control.table import (
     check_user,
     check_weight,
     shown,
-)
-from control.write_requests import (
-    LIMIT_FIELDS,
-    MODE_FIELDS,
-    RATE_FIELD,
-    TIER_FIELDS,
-    WEIGHT_FIELD,
-    entry_rate,
-    mask_fields,
-    set_fields,
 )
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode

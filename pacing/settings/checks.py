@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from pacing.flag_names import (
+from pacing.identity import validate_user
+from pacing.limiter import validate_rate
+from pacing.settings.flags import (
     EXEMPT_TIERS_FLAG,
     EXEMPT_USERS_FLAG,
     FAIR_SHARE_CONFIG_FLAG,
@@ -24,8 +26,6 @@ from pacing.flag_names import (
     USER_RATES_FLAG,
     WEIGHTS_FLAG,
 )
-from pacing.identity import validate_user
-from pacing.limiter import validate_rate
 
 
 class SettingsError(ValueError):

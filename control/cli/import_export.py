@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TextIO
 
 from control import names
-from control.cli_client import EXIT_OK, Client, UsageError
-from control.cli_render import encodes, limit_dict, print_error, print_json, tier_dict
+from control.cli.client import EXIT_OK, Client, UsageError
+from control.cli.render import encodes, limit_dict, print_error, print_json, tier_dict
 from control.errors import InvalidArgument
 from control.table import TableDocument, dumps, format_of, loads
 from protos.outputrate.v1 import output_rate_pb2 as _pb2

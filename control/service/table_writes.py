@@ -17,9 +17,10 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from control import names
-from control.commits import Apply, TableCommits
 from control.errors import Aborted, InvalidArgument
 from control.resources import LimitSpec, LimitsTable, TierSpec, table_of
+from control.service.commits import Apply, TableCommits
+from control.service.write_requests import entry_rate
 from control.table import (
     FAIR_SHARE_KEY,
     TableDocument,
@@ -29,7 +30,6 @@ from control.table import (
     check_weight,
     shown,
 )
-from control.write_requests import entry_rate
 from pacing.limiter import OutputRateLimiter
 
 

@@ -2,7 +2,7 @@
 which fields an update changes (its mask), a resource's own rate and weight.
 
 Invariant: nothing here reads the table in force; what a request says is
-checked against it later, under the change lock (``service_writes``,
+checked against it later, under the change lock (``writes``,
 ``table_writes``).
 """
 

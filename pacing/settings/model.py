@@ -5,9 +5,9 @@ plugins), and written back there.
 
 A settings object that exists is valid: each one checks itself when built and
 raises ``SettingsError`` naming the flag or the key. The flags themselves are
-added and parsed in ``pacing.settings_cli``, their names are in
-``pacing.flag_names``, and the checks of single values (and ``SettingsError``)
-in ``pacing.settings_checks``.
+added and parsed in ``pacing.settings.cli``, their names are in
+``pacing.settings.flags``, and the checks of single values (and ``SettingsError``)
+in ``pacing.settings.checks``.
 
 ``additional_config["output_rate"]`` (what the flags produce, and the offline
 ``LLM(additional_config=...)`` form)::
@@ -44,7 +44,7 @@ flags always give a ``control`` object (``--output-rate-control-address off``
 runs none); offline, a control plane runs only where one is asked for. Secrets
 never travel here (vLLM logs its config): only the paths of the token and TLS
 files, which the control plane reads where it runs, and of the store's password
-file (``pacing.store_settings``), which the process that connects reads.
+file (``pacing.settings.store``), which the process that connects reads.
 
 The keys of earlier versions, ``output_rate_control`` and ``output_rate_metrics``,
 are refused with an error that names their new place.
@@ -58,14 +58,28 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pacing.fair_share import FairShare, FairShareSettings, Weights
-from pacing.fair_share_settings import (
+from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
+from pacing.limiter import OutputRateLimiter, validate_rate
+from pacing.modes import Mode, parse_mode
+from pacing.settings.checks import (
+    SettingsError,
+    check_keys,
+    check_table_part,
+    field_names,
+    name_set,
+    names_entry,
+    object_entry,
+    parse_json,
+)
+from pacing.settings.cli import dest, store_from_cli_args
+from pacing.settings.fair_share import (
     config_entry,
     config_from_flag,
     parse_fair_share_config,
     parse_weights,
     weights_from_flag,
 )
-from pacing.flag_names import (
+from pacing.settings.flags import (
     ADDRESS_OFF,
     CONTROL_FLAGS,
     DEFAULT_ADDRESS,
@@ -85,21 +99,7 @@ from pacing.flag_names import (
     USER_SOURCE_FLAG,
     WEIGHTS_FLAG,
 )
-from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
-from pacing.limiter import OutputRateLimiter, validate_rate
-from pacing.modes import Mode, parse_mode
-from pacing.settings_checks import (
-    SettingsError,
-    check_keys,
-    check_table_part,
-    field_names,
-    name_set,
-    names_entry,
-    object_entry,
-    parse_json,
-)
-from pacing.settings_cli import dest, store_from_cli_args
-from pacing.store_settings import STORE_FLAG, STORE_FLAGS, StoreSettings
+from pacing.settings.store import STORE_FLAG, STORE_FLAGS, StoreSettings
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -312,7 +312,7 @@ class OutputRateSettings:
         args: argparse.Namespace,
         additional_config: Mapping[str, Any] | None = None,
     ) -> OutputRateSettings:
-        """Reads the flags ``settings_cli.add_cli_args`` added. With pacing on
+        """Reads the flags ``pacing.settings.cli.add_cli_args`` added. With pacing on
         they set the limits, the mode, the control plane and the store; the
         metrics, which have no flags, come from ``additional_config`` (as the
         operator passed it), if it has them. Without ``DEFAULT_RATE_FLAG``:

@@ -1,0 +1,1 @@
+"""``output-rate-ctl``: the operator's command-line client of the control plane."""

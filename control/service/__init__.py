@@ -1,0 +1,1 @@
+"""The control plane's operations on the limits table, free of gRPC."""

@@ -1,0 +1,1 @@
+"""The pacing settings: their model, flags, checks, command line and store."""
