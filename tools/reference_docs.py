@@ -9,7 +9,7 @@ twice:
 - ``flags.md``: the flags our plugin adds to ``vllm serve``, from vLLM's own
   serve parser with the plugin loaded (the argument group
   ``engine_ext.hooks.FLAG_GROUP_TITLE``), each with the key of
-  ``additional_config`` that holds its value (``pacing.settings.FLAG_KEYS``).
+  ``additional_config`` that holds its value (``pacing.settings.model.FLAG_KEYS``).
 - ``metrics.md``: every Prometheus metric ``engine_ext.metrics`` exports, from
   the metric objects themselves (``OutputRateMetrics.definitions``).
 - ``grpc-api.md``: the control plane's gRPC API, from the ``.proto`` files under
@@ -364,7 +364,7 @@ def flags_page() -> str:
         flag = action.option_strings[0]
         keys = FLAG_KEYS.get(flag)
         if keys is None:
-            raise LookupError(f"{flag} has no entry in pacing.settings.FLAG_KEYS")
+            raise LookupError(f"{flag} has no entry in pacing.settings.model.FLAG_KEYS")
         area = keys[0].rpartition(".")[0]
         if area not in areas:
             raise LookupError(f"{flag}: no title for area {area!r} in FLAG_AREAS")
