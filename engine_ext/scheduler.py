@@ -109,6 +109,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             request_counts=self._request_counts,
             mode=settings.mode,
             fair_share=settings.build_fair_share(),
+            teams=settings.build_teams(),
         )
         #: Who each request is charged to (``pacing.attestation``); refuses to
         #: start in the attested mode without the guard's key. With pacing off
@@ -168,12 +169,13 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if self.limiter.enabled:
             logger.info(
                 "per-user output pacing on (%s): mode %s, default %d tok/s, "
-                "%d user limits, %d tiers",
+                "%d user limits, %d tiers, %d teams",
                 type(self).__name__,
                 settings.mode,
                 settings.default_rate,
                 len(settings.user_rates),
                 len(settings.tier_rates),
+                len(settings.team_rates),
             )
             # The data-parallel index survives vLLM resetting the rank of
             # independent (non-MoE) ranks to 0.

@@ -81,14 +81,17 @@ def validate_price(price: object, *, field: str) -> float:
 
 
 class Weights:
-    """Per-user and per-tier share weights; ``DEFAULT_WEIGHT`` otherwise."""
+    """Per-user, per-tier and per-team share weights; ``DEFAULT_WEIGHT``
+    otherwise. A user's weight (its own, else its tier's) counts inside its
+    team; a team's weight counts among teams (``FairShareSteps``)."""
 
-    __slots__ = ("tiers", "users")
+    __slots__ = ("teams", "tiers", "users")
 
     def __init__(
         self,
         users: Mapping[str, float] | None = None,
         tiers: Mapping[str, float] | None = None,
+        teams: Mapping[str, float] | None = None,
     ) -> None:
         self.users: dict[str, float] = {
             name: validate_weight(w, field=f"weight of user {name!r}")
@@ -97,6 +100,10 @@ class Weights:
         self.tiers: dict[str, float] = {
             name: validate_weight(w, field=f"weight of tier {name!r}")
             for name, w in (tiers or {}).items()
+        }
+        self.teams: dict[str, float] = {
+            name: validate_weight(w, field=f"weight of team {name!r}")
+            for name, w in (teams or {}).items()
         }
 
     def of(self, user: str, tier: str | None) -> float:
@@ -122,8 +129,19 @@ class Weights:
         else:
             self.tiers[tier] = validate_weight(weight, field=f"weight of {tier!r}")
 
+    def team(self, team: str) -> float:
+        """``team``'s weight among teams."""
+        return self.teams.get(team, DEFAULT_WEIGHT)
+
+    def set_team(self, team: str, weight: float | None) -> None:
+        """Sets ``team``'s weight (None: the default)."""
+        if weight is None:
+            self.teams.pop(team, None)
+        else:
+            self.teams[team] = validate_weight(weight, field=f"weight of {team!r}")
+
     def copy(self) -> Weights:
-        return Weights(self.users, self.tiers)
+        return Weights(self.users, self.tiers, self.teams)
 
 
 @dataclass(frozen=True)

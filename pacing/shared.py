@@ -47,6 +47,7 @@ from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.recent_rate import NS_PER_S, RecentRates
 from pacing.store_stats import StoreStats
+from pacing.teams import TeamBudget, Teams
 
 _V = TypeVar("_V")
 
@@ -119,6 +120,7 @@ class SharedLimiter:
         mode: Mode = Mode.ENFORCE,
         budget: BudgetSource | None = None,
         fair_share: FairShare | None = None,
+        teams: Teams | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.limiter = limiter
@@ -142,12 +144,29 @@ class SharedLimiter:
         #: Weighted fair share (``pacing.fair_share``): its switch, weights and
         #: counters; read every step, changed only under the lock.
         self.fair_share = FairShare() if fair_share is None else fair_share
+        #: Teams (``pacing.teams``): their table, cells and in-team fair queue;
+        #: a member's weight inside its team is its fair-share weight.
+        self.teams = Teams(burst_ns=limiter.burst_ns) if teams is None else teams
+        self.teams.weight_of = self._member_weight
+        self._team_budget: TeamBudget | None = None
 
     @property
     def budget(self) -> BudgetSource:
         """What the scheduler spends tokens from (``pacing.budget``): the limiter
-        itself, unless a global store's claimed balances stand in."""
-        return self.limiter if self._budget is None else self._budget
+        itself, unless a global store's claimed balances stand in; wrapped in
+        the teams' budget (``pacing.teams``) while any team exists."""
+        base = self.limiter if self._budget is None else self._budget
+        if not self.teams.table:
+            return base
+        team_budget = self._team_budget
+        if team_budget is None or team_budget.base is not base:
+            team_budget = self._team_budget = TeamBudget(
+                base, self.teams, self.limiter.rate_of
+            )
+        return team_budget
+
+    def _member_weight(self, user: str) -> float:
+        return self.fair_share.weights.of(user, self.limiter.tier_of(user))
 
     def use_budget(self, budget: BudgetSource | None) -> None:
         """Makes ``budget`` what the scheduler spends from (``None``: the

@@ -59,7 +59,9 @@ def fair_steps(
     ledger.counter = {
         u: rng.choice([0.0, 8.0, 16.0, 50.0]) for u in users if rng.random() < 0.8
     }
-    return FairShareSteps(upstream, ledger, UserBook(), Accounting(), lambda u: None)
+    return FairShareSteps(
+        upstream, ledger, UserBook(), Accounting(), lambda u: None, lambda u: None
+    )
 
 
 def add_requests(

@@ -36,6 +36,14 @@ caps are untouched (a user without budget is not eligible):
   computed; positions recomputed after a preemption are below the request's
   high-water mark (``high_water``), so they are not charged again.
 
+*Teams* (``pacing.teams``) make it hierarchical: teams share the engine by
+team weight, and the members of a team share its part by user weight. A
+member's counter is charged over its effective weight ``w_team * w_user /
+(sum of w over the team's backlogged members)``, so the team's backlogged
+members together weigh ``w_team``; a user without a team is a team of one
+(its own weight), which makes the one-level rules above the case without
+teams. The effective weight is taken from the backlog at the step's start.
+
 Only FCFS scheduling (``Upstream.priority_policy`` false): under PRIORITY the
 queue's order is the priorities', and fair share refuses to run
 (``FairShare.refusal``).
@@ -75,6 +83,8 @@ class FairShareSteps:
         "high_water",
         "ledger",
         "run_floor",
+        "team_of",
+        "team_weights",
         "tier_of",
         "upstream",
         "was_enabled",
@@ -87,12 +97,17 @@ class FairShareSteps:
         book: UserBook,
         accounting: Accounting,
         tier_of: Callable[[str], str | None],
+        team_of: Callable[[str], str | None],
     ) -> None:
         self.upstream = upstream
         self.ledger = ledger
         self.book = book
         self.accounting = accounting
         self.tier_of = tier_of
+        self.team_of = team_of
+        #: team -> the summed weights of its backlogged members this step
+        #: (None: not summed yet).
+        self.team_weights: dict[str, float] | None = None
         if upstream.priority_policy:
             if ledger.enabled:
                 raise ValueError(PRIORITY_REFUSAL)
@@ -147,6 +162,7 @@ class FairShareSteps:
         if entering:
             ledger.lift(entering, backlogged)
         self.backlogged = backlogged
+        self.team_weights = None
         ledger.backlogged = frozenset(backlogged)
         upstream = self.upstream
         if upstream.waiting_count() == 0:
@@ -203,7 +219,25 @@ class FairShareSteps:
         return lead is not None and lead - behind > self.ledger.settings.hysteresis
 
     def _weight(self, user: str) -> float:
-        return self.ledger.weights.of(user, self.tier_of(user))
+        """``user``'s effective weight: its own, or its part of its team's."""
+        weights = self.ledger.weights
+        weight = weights.of(user, self.tier_of(user))
+        team = self.team_of(user)
+        if team is None:
+            return weight
+        sums = self.team_weights
+        if sums is None:
+            sums = self.team_weights = {}
+            for member in self.backlogged:
+                member_team = self.team_of(member)
+                if member_team is not None:
+                    sums[member_team] = sums.get(member_team, 0.0) + weights.of(
+                        member, self.tier_of(member)
+                    )
+        total = sums.get(team, 0.0)
+        if user not in self.backlogged:
+            total += weight
+        return weights.team(team) * weight / total
 
     def _yield_slots(
         self, receivers: list[Request], free: int, keep: Collection[str]

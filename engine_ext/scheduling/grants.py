@@ -12,6 +12,10 @@ not dispatched, is given back when the step settles
 (``engine_ext.scheduling.settlement``); drafts the model rejects are given back
 once the step's output is known (``engine_ext.scheduling.drafts``).
 
+With teams (``pacing.teams``) a member's grant is taken with those of all its
+team's members with live requests, at its first use in the step, so that the
+team's tokens are split among them by weight rather than by who asks first.
+
 Invariant: the budget source is asked at most once per user and step, and for
 every user ``granted = left + tokens charged``, so nothing is handed out twice
 or lost before settlement.
@@ -25,6 +29,7 @@ from engine_ext.scheduling.step_accounting import ThrottleEpisodes
 from engine_ext.scheduling.users import UserBook
 from pacing.budget import BudgetSource
 from pacing.identity import ANONYMOUS_USER
+from pacing.teams import TeamGrants
 
 if TYPE_CHECKING:
     from engine_ext.scheduling.upstream import Request
@@ -55,6 +60,8 @@ class PacedStep:
         "shadow_skips",
         "skips",
         "spare_slots",
+        "team_members",
+        "teams",
         "user_of",
     )
 
@@ -104,6 +111,10 @@ class PacedStep:
         #: Waiting requests of users with budget that the waiting loop has yet to
         #: reach; no refused user's request is admitted ahead of them.
         self.needy_pending: set[str] = set()
+        #: The budget when it knows teams (their members are granted together).
+        self.teams = budget if isinstance(budget, TeamGrants) else None
+        #: team -> its members with live requests (built at the first team grant).
+        self.team_members: dict[str, list[str]] | None = None
 
     def tokens_left(self, user: str) -> int:
         """Tokens of ``user``'s grant not yet handed out in this step; takes the
@@ -111,12 +122,40 @@ class PacedStep:
         left = self.left.get(user)
         if left is None:
             book = self.book
+            teams = self.teams
+            team = None if teams is None else teams.team_of(user)
+            if team is not None:
+                return self._grant_team(team, user)
             left, remaining = self.budget.take_up_to(
                 user, book.live.get(user, 1) * book.step_tokens, self.now_ns
             )
             self.left[user] = self.granted[user] = left
             self.remaining[user] = remaining
         return left
+
+    def _grant_team(self, team: str, user: str) -> int:
+        """Takes the grants of ``user`` and of every other member of ``team``
+        with live requests at once; returns ``user``'s."""
+        teams = self.teams
+        assert teams is not None
+        members = self.team_members
+        if members is None:
+            members = self.team_members = {}
+            team_of = teams.team_of
+            for member in self.book.live:
+                member_team = team_of(member)
+                if member_team is not None:
+                    members.setdefault(member_team, []).append(member)
+        live = self.book.live
+        step_tokens = self.book.step_tokens
+        demands = {m: live[m] * step_tokens for m in members.get(team, ())}
+        demands.setdefault(user, live.get(user, 1) * step_tokens)
+        for member, (taken, remaining) in teams.take_team(
+            team, demands, self.now_ns
+        ).items():
+            self.left[member] = self.granted[member] = taken
+            self.remaining[member] = remaining
+        return self.left[user]
 
     def has_budget(self, user: str) -> bool:
         """Whether ``user`` could be charged another token now (its grant is

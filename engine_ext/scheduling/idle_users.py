@@ -53,7 +53,10 @@ class IdleUsers:
     def cleanup(self, now_ns: int) -> None:
         """Forgets users with no live request whose bucket is full."""
         self.cleaned_at_ns = now_ns
-        self.shared.limiter.cleanup_idle_users(now_ns)
+        shared = self.shared
+        shared.limiter.cleanup_idle_users(now_ns)
+        shared.teams.cells.cleanup_idle_users(now_ns)
+        shared.teams.forget_idle(self.book.live)
         keep = set(self.book.live)
         keep.update(self.labelled_users())
         self.book.forget_idle(keep)

@@ -83,6 +83,7 @@ class Steps:
             book,
             shared.accounting,
             shared.limiter.tier_of,
+            lambda user: shared.teams.table.team_of(user),
         )
         self.engine_late = EngineLate()
         #: Draft tokens charged in the steps in flight, refunded once rejected.
@@ -96,6 +97,9 @@ class Steps:
         #: Whether the paced hooks are bound (None: neither yet).
         self.hooks_bound: bool | None = None
         self.seen_limit_changes = -1  # forces the first step to order
+        #: The budget source of the last step: another one (teams created or
+        #: all removed, a store attached) is a limit change.
+        self.seen_budget: BudgetSource | None = None
         #: When the last step scheduled nothing because of the limiter: the
         #: earliest time a refused user has budget again (for the engine loop).
         self.next_ready_ns: int | None = None
@@ -135,9 +139,13 @@ class Steps:
         if mode is Mode.OFF:
             return self.unpaced_step(throttle_prefills)
         budget = shared.budget
-        limit_changed = self.seen_limit_changes != budget.limit_changes
+        limit_changed = (
+            self.seen_limit_changes != budget.limit_changes
+            or budget is not self.seen_budget
+        )
         if limit_changed:  # every user's headroom may have shrunk
             self.seen_limit_changes = budget.limit_changes
+            self.seen_budget = budget
             book.forget_headroom()
         if not (book.constrained or self.slots.yielded or self.episodes):
             return self.free_step(now_ns, budget, throttle_prefills)

@@ -21,6 +21,8 @@ from pacing.settings.flags import (
     EXEMPT_USERS_FLAG,
     FAIR_SHARE_CONFIG_FLAG,
     TABLE_FLAGS,
+    TEAM_MEMBERS_FLAG,
+    TEAMS_FLAG,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
     USER_RATES_FLAG,
@@ -55,11 +57,21 @@ _JSON_FLAGS: dict[str, tuple[type, str, str]] = {
         "object mapping user names to tier names",
         '{"user-b": "pro"}',
     ),
+    TEAMS_FLAG: (
+        dict,
+        "object mapping team names to tokens per second",
+        '{"acme": 600}',
+    ),
+    TEAM_MEMBERS_FLAG: (
+        dict,
+        "object mapping user names to team names",
+        '{"user-a": "acme"}',
+    ),
     EXEMPT_USERS_FLAG: (list, "array of user names", '["ops"]'),
     EXEMPT_TIERS_FLAG: (list, "array of tier names", '["staff"]'),
     WEIGHTS_FLAG: (
         dict,
-        "object of user and tier weights",
+        "object of user, tier and team weights",
         '{"users": {"alice": 2}, "tiers": {"pro": 4}}',
     ),
     FAIR_SHARE_CONFIG_FLAG: (
@@ -139,6 +151,14 @@ def check_table_part(name: str, value: Any) -> None:
         for user, tier in value.items():
             validate_user(user, field=f"user name in {flag}")
             validate_user(tier, field=f"tier of {user!r} in {flag}")
+    elif name == "team_rates":
+        for team, rate in value.items():
+            validate_user(team, field=f"team name in {flag}")
+            validate_rate(rate, field=f"{flag} rate of {team!r}")
+    elif name == "team_members":
+        for user, team in value.items():
+            validate_user(user, field=f"user name in {flag}")
+            validate_user(team, field=f"team of {user!r} in {flag}")
     elif name == "exempt_users":
         for user in value:
             validate_user(user, field=f"user name in {flag}")

@@ -35,6 +35,8 @@ from pacing.settings.flags import (
     MODE_FLAG,
     REQUIRE_USER_FLAG,
     TABLE_FLAGS,
+    TEAM_MEMBERS_FLAG,
+    TEAMS_FLAG,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
     TLS_CERT_FLAG,
@@ -115,6 +117,22 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         "user's own limit wins over its tier's.",
     )
     group.add_argument(
+        TEAMS_FLAG,
+        type=_json_arg(TEAMS_FLAG),
+        default=None,
+        metavar="JSON",
+        help="Teams as a JSON object, e.g. '{\"acme\": 600}' (tokens/s shared by "
+        "all members of the team, split among them by weight while it binds).",
+    )
+    group.add_argument(
+        TEAM_MEMBERS_FLAG,
+        type=_json_arg(TEAM_MEMBERS_FLAG),
+        default=None,
+        metavar="JSON",
+        help='Team of each user as a JSON object, e.g. \'{"user-a": "acme"}\'. A '
+        "member's own limit and its team's both hold.",
+    )
+    group.add_argument(
         EXEMPT_USERS_FLAG,
         type=_json_arg(EXEMPT_USERS_FLAG),
         default=None,
@@ -159,7 +177,9 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         default=None,
         metavar="JSON",
         help='Fair-share weights as JSON, e.g. \'{"users": {"alice": 2}, "tiers": '
-        "{\"pro\": 4}}' (a user's own weight wins over its tier's; default 1).",
+        '{"pro": 4}, "teams": {"acme": 2}}\' (a user\'s own weight wins over its '
+        "tier's; default 1). A user's weight splits its team's share; a team's "
+        "weight counts among teams.",
     )
     group.add_argument(
         FAIR_SHARE_CONFIG_FLAG,

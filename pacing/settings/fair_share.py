@@ -3,7 +3,9 @@ the switch, the weights and the pricing, as the flags and ``additional_config``
 give them. Every failure is a ``SettingsError`` naming the flag or the key.
 
 - ``--output-rate-fair-share``: on at start (live-switchable later).
-- ``--output-rate-weights '{"users": {"alice": 2}, "tiers": {"pro": 4}}'``.
+- ``--output-rate-weights '{"users": {"alice": 2}, "tiers": {"pro": 4},
+  "teams": {"acme": 2}}'``: a user's weight inside its team and, for a user
+  without a team, at the top level; a team's weight at the top level.
 - ``--output-rate-fair-share-config '{"prompt_price": 1, "output_price": 2,
   "hysteresis": 1024, "min_run_tokens": 16}'`` (any subset).
 """
@@ -19,16 +21,16 @@ from pacing.settings.checks import SettingsError, check_keys, field_names, parse
 from pacing.settings.flags import FAIR_SHARE_CONFIG_FLAG, WEIGHTS_FLAG
 
 #: Keys of the weights object.
-WEIGHT_KEYS = ("users", "tiers")
+WEIGHT_KEYS = ("users", "tiers", "teams")
+#: Weights by key of the weights object: user, tier and team weights.
+WeightParts = tuple[dict[str, float], dict[str, float], dict[str, float]]
 
 
-def parse_weights(
-    value: object, where: str
-) -> tuple[dict[str, float], dict[str, float]]:
-    """``{"users": {...}, "tiers": {...}}`` (either may be absent) as (user
-    weights, tier weights), each weight checked."""
+def parse_weights(value: object, where: str) -> WeightParts:
+    """``{"users": {...}, "tiers": {...}, "teams": {...}}`` (any may be
+    absent) as (user, tier, team weights), each weight checked."""
     if value is None:
-        return {}, {}
+        return {}, {}, {}
     if not isinstance(value, Mapping):
         raise SettingsError(
             f'{where} must be an object like {{"users": {{"alice": 2}}, '
@@ -49,7 +51,7 @@ def parse_weights(
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         parts.append(checked)
-    return parts[0], parts[1]
+    return parts[0], parts[1], parts[2]
 
 
 def parse_fair_share_config(value: object, where: str) -> FairShareSettings:
@@ -64,7 +66,7 @@ def parse_fair_share_config(value: object, where: str) -> FairShareSettings:
         raise SettingsError(f"{where}: {exc}") from None
 
 
-def weights_from_flag(raw: str | None) -> tuple[dict[str, float], dict[str, float]]:
+def weights_from_flag(raw: str | None) -> WeightParts:
     return parse_weights(parse_json(raw, WEIGHTS_FLAG), WEIGHTS_FLAG)
 
 

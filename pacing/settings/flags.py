@@ -14,6 +14,8 @@ USER_RATES_FLAG = "--user-output-tokens-per-second"
 MODE_FLAG = "--output-rate-mode"
 TIERS_FLAG = "--output-rate-tiers"
 TIER_MEMBERS_FLAG = "--output-rate-tier-members"
+TEAMS_FLAG = "--output-rate-teams"
+TEAM_MEMBERS_FLAG = "--output-rate-team-members"
 EXEMPT_USERS_FLAG = "--output-rate-exempt-users"
 EXEMPT_TIERS_FLAG = "--output-rate-exempt-tiers"
 USER_SOURCE_FLAG = "--output-rate-user-source"
@@ -37,7 +39,7 @@ ADDRESS_OFF = "off"
 TOKEN_ENV = "OUTPUT_RATE_CONTROL_TOKEN"
 
 #: ``OutputRateSettings`` field outside the limit table -> the flag that sets it
-#: (both weights come from one flag).
+#: (all weights come from one flag).
 SETTING_FLAGS = {
     "default_rate": DEFAULT_RATE_FLAG,
     "mode": MODE_FLAG,
@@ -46,6 +48,7 @@ SETTING_FLAGS = {
     "fair_share": FAIR_SHARE_FLAG,
     "user_weights": WEIGHTS_FLAG,
     "tier_weights": WEIGHTS_FLAG,
+    "team_weights": WEIGHTS_FLAG,
     "fair_share_config": FAIR_SHARE_CONFIG_FLAG,
 }
 
@@ -56,6 +59,8 @@ TABLE_FLAGS = {
     "memberships": TIER_MEMBERS_FLAG,
     "exempt_users": EXEMPT_USERS_FLAG,
     "exempt_tiers": EXEMPT_TIERS_FLAG,
+    "team_rates": TEAMS_FLAG,
+    "team_members": TEAM_MEMBERS_FLAG,
 }
 
 #: ``ControlSettings`` field -> its flag.

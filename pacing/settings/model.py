@@ -20,12 +20,15 @@ in ``pacing.settings.checks``.
       "memberships": {"user-b": "pro"},
       "exempt_users": ["ops"],
       "exempt_tiers": [],
+      "team_rates": {"acme": 600},     # tok/s shared by a team (pacing.teams)
+      "team_members": {"user-a": "acme"},
       "user_source": "xargs",          # or "header:NAME", "openai-user"
       "require_user": false,           # true: no id is a 401, not __anonymous__
       "fair_share": false,             # weighted fair share (pacing.fair_share)
       "fair_share_config": {"prompt_price": 1, "output_price": 2,
                             "hysteresis": 1024, "min_run_tokens": 16},
       "user_weights": {"user-a": 2}, "tier_weights": {"pro": 4},
+      "team_weights": {"acme": 2},
       "control": {                     # absent: no control plane
         "address": "127.0.0.1:50151", "config_path": null, "token_file": null,
         "tls_cert": null, "tls_key": null, "tls_client_ca": null
@@ -91,6 +94,8 @@ from pacing.settings.flags import (
     REQUIRE_USER_FLAG,
     SETTING_FLAGS,
     TABLE_FLAGS,
+    TEAM_MEMBERS_FLAG,
+    TEAMS_FLAG,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
     TLS_CERT_FLAG,
@@ -100,6 +105,7 @@ from pacing.settings.flags import (
     WEIGHTS_FLAG,
 )
 from pacing.settings.store import STORE_FLAG, STORE_FLAGS, StoreSettings
+from pacing.teams import Teams, TeamTable
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -197,8 +203,9 @@ class OutputRateSettings:
     takes a request's user id from and whether a request must name one, the
     control plane (``None``: none asked for), the metrics, the global store
     that makes the limits hold across engines (``None``: none, each engine
-    paces alone), and weighted fair share (``pacing.fair_share``): whether it
-    is on at start, its pricing, and the users' and tiers' weights."""
+    paces alone), weighted fair share (``pacing.fair_share``): whether it
+    is on at start, its pricing, and the users', tiers' and teams' weights,
+    and the teams (``pacing.teams``): their rates and members."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
@@ -216,6 +223,9 @@ class OutputRateSettings:
     fair_share_config: FairShareSettings = field(default_factory=FairShareSettings)
     user_weights: Mapping[str, float] = field(default_factory=dict)
     tier_weights: Mapping[str, float] = field(default_factory=dict)
+    team_rates: Mapping[str, int] = field(default_factory=dict)
+    team_members: Mapping[str, str] = field(default_factory=dict)  # user -> team
+    team_weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Normalised so that equality and ``.value`` hold for a mode given by
@@ -249,10 +259,33 @@ class OutputRateSettings:
             raise SettingsError(
                 f"{FAIR_SHARE_FLAG} must be a boolean, got {self.fair_share!r}"
             )
-        weights = {"users": self.user_weights, "tiers": self.tier_weights}
-        user_weights, tier_weights = parse_weights(weights, WEIGHTS_FLAG)
+        for user, team in self.team_members.items():
+            if team not in self.team_rates:
+                raise SettingsError(
+                    f"{TEAM_MEMBERS_FLAG} puts {user!r} in team {team!r}, which "
+                    f"{TEAMS_FLAG} does not define"
+                )
+        weights = {
+            "users": self.user_weights,
+            "tiers": self.tier_weights,
+            "teams": self.team_weights,
+        }
+        user_weights, tier_weights, team_weights = parse_weights(weights, WEIGHTS_FLAG)
         object.__setattr__(self, "user_weights", user_weights)
         object.__setattr__(self, "tier_weights", tier_weights)
+        object.__setattr__(self, "team_weights", team_weights)
+        for team in team_weights:
+            if team not in self.team_rates:
+                raise SettingsError(
+                    f"{WEIGHTS_FLAG} weighs team {team!r}, which {TEAMS_FLAG} "
+                    "does not define"
+                )
+        if self.team_rates and self.store is not None:
+            raise SettingsError(
+                f"{TEAMS_FLAG} with {STORE_FLAG}: team cells are not kept in the "
+                "store yet, and a team paced on each engine alone would get its "
+                "rate once per engine"
+            )
         for tier in tier_weights:
             if tier not in self.tier_rates and tier not in self.exempt_tiers:
                 raise SettingsError(
@@ -271,7 +304,7 @@ class OutputRateSettings:
                 given.append(STORE_FLAG)
             if self.fair_share:
                 given.append(FAIR_SHARE_FLAG)
-            if self.user_weights or self.tier_weights:
+            if self.user_weights or self.tier_weights or self.team_weights:
                 given.append(WEIGHTS_FLAG)
             if self.fair_share_config != FairShareSettings():
                 given.append(FAIR_SHARE_CONFIG_FLAG)
@@ -302,9 +335,13 @@ class OutputRateSettings:
         """The fair-share ledger: these weights and pricing, on or off."""
         return FairShare(
             self.fair_share_config,
-            Weights(self.user_weights, self.tier_weights),
+            Weights(self.user_weights, self.tier_weights, self.team_weights),
             enabled=self.fair_share,
         )
+
+    def build_teams(self) -> Teams:
+        """The teams: their rates and members (``pacing.teams``)."""
+        return Teams(TeamTable(self.team_rates, self.team_members))
 
     @classmethod
     def from_cli_args(
@@ -333,7 +370,7 @@ class OutputRateSettings:
             "user_source": getattr(args, dest(USER_SOURCE_FLAG)),
             "require_user": getattr(args, dest(REQUIRE_USER_FLAG)),
         }
-        user_weights, tier_weights = weights_from_flag(
+        user_weights, tier_weights, team_weights = weights_from_flag(
             getattr(args, dest(WEIGHTS_FLAG))
         )
         identity.update(
@@ -343,6 +380,7 @@ class OutputRateSettings:
             ),
             user_weights=user_weights,
             tier_weights=tier_weights,
+            team_weights=team_weights,
         )
         if default_rate is None:
             return cls(mode=mode, **table, **identity, store=store)
@@ -427,12 +465,13 @@ class OutputRateSettings:
         fair_share = entry.get("fair_share")
         if fair_share is not None and not isinstance(fair_share, bool):
             raise SettingsError(f"{where}['fair_share'] must be a boolean")
-        user_weights, tier_weights = parse_weights(
+        user_weights, tier_weights, team_weights = parse_weights(
             {
                 "users": object_entry(entry, "user_weights", where),
                 "tiers": object_entry(entry, "tier_weights", where),
+                "teams": object_entry(entry, "team_weights", where),
             },
-            f"{where}['user_weights'/'tier_weights']",
+            f"{where}['user_weights'/'tier_weights'/'team_weights']",
         )
         return cls(
             default_rate=entry.get("default_rate"),
@@ -453,6 +492,9 @@ class OutputRateSettings:
             ),
             user_weights=user_weights,
             tier_weights=tier_weights,
+            team_rates=object_entry(entry, "team_rates", where),
+            team_members=object_entry(entry, "team_members", where),
+            team_weights=team_weights,
         )
 
     def to_additional_config(self) -> dict[str, Any]:
@@ -478,6 +520,11 @@ class OutputRateSettings:
             entry["user_weights"] = dict(self.user_weights)
         if self.tier_weights:
             entry["tier_weights"] = dict(self.tier_weights)
+        if self.team_rates:
+            entry["team_rates"] = dict(self.team_rates)
+            entry["team_members"] = dict(self.team_members)
+        if self.team_weights:
+            entry["team_weights"] = dict(self.team_weights)
         if self.control is not None:
             entry["control"] = asdict(self.control)
         if self.store is not None:
