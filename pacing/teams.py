@@ -16,8 +16,10 @@ Vocabulary:
   members with demand at once (``TeamBudget.take_team``); each gets what both
   budgets allow. When the team has less than the members ask for, it *binds*
   and its tokens are handed out one at a time by a per-team fair queue:
-- *virtual time* ``vt[u]``: tokens charged to member ``u`` over its weight
-  (``--output-rate-weights``: the user's, else its tier's, else 1). The next
+- *virtual time* ``vt[u]``: tokens member ``u`` was granted in team grants
+  (less those refunded) over its weight (``--output-rate-weights``: the
+  user's, else its tier's, else 1); tokens charged after the fact in a step
+  nobody could be refused in are not counted, as the team did not bind. The next
   token goes to the member with the smallest ``vt + 1/w`` (its finish tag)
   that still wants one, so stream count does not matter, a member below its
   part goes first, and one whose own cap gives it less than its part leaves
@@ -389,17 +391,21 @@ class TeamBudget:
         return self.take_team(team, {user: most}, now_ns)[user]
 
     def take_each(self, counts: Mapping[str, int], now_ns: int) -> dict[str, int]:
+        """Charges each user and each member's team; a member is told at most
+        what is left of its promise. Virtual times are not advanced: a
+        charge decided after the fact comes from a step nobody could be
+        refused in, so the team did not bind (the fair queue orders members
+        only while it does)."""
         remaining = self.base.take_each(counts, now_ns)
-        team_of = self.team_of
-        totals: dict[str, int] = {}
+        team_of = self.teams.table.team_of
+        rate_of = self.rate_of
         promised = self.promised
-        record = self.teams.record
+        totals: dict[str, int] = {}
         for user, count in counts.items():
             team = team_of(user)
-            if team is None:
+            if team is None or not rate_of(user):
                 continue
             totals[team] = totals.get(team, 0) + count
-            record(user, team, count)
             promise = promised.get(user, 0) - count
             if promise < 0:
                 # Spent beyond its promise: the others' bounds may not hold.
@@ -410,6 +416,9 @@ class TeamBudget:
                 remaining[user] = promise
         if totals:
             self.teams.cells.take_each(totals, now_ns)
+            charged = self.teams.charged
+            for team, total in totals.items():
+                charged[team] = charged.get(team, 0) + total
         return remaining
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:

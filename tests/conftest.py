@@ -35,6 +35,7 @@ SERVER_LIMITS = {
         "user-live": 10,
         "user-fast": 100_000,
         "user-slow": 5,
+        "capped-a": 10,
     },
 }
 #: The shared server's tier and its one member, so that the tier series (and
@@ -44,6 +45,13 @@ SERVER_LIMITS = {
 SERVER_TIERS = {"e2e-tier": 500}
 TIER_MEMBER = "user-tiered"
 SERVER_TIER_MEMBERS = {TIER_MEMBER: "e2e-tier"}
+#: The shared server's teams (tests/test_e2e_teams.py): two teams of 60 tok/s
+#: with three members each; ``capped-a`` has a cap of its own below its part.
+SERVER_TEAMS = {"e2e-acme": 60, "e2e-capped": 60}
+SERVER_TEAM_MEMBERS = {
+    **{f"team-{m}": "e2e-acme" for m in "abc"},
+    **{f"capped-{m}": "e2e-capped" for m in "abc"},
+}
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +75,10 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
             json.dumps(SERVER_TIERS),
             "--output-rate-tier-members",
             json.dumps(SERVER_TIER_MEMBERS),
+            "--output-rate-teams",
+            json.dumps(SERVER_TEAMS),
+            "--output-rate-team-members",
+            json.dumps(SERVER_TEAM_MEMBERS),
             "--output-rate-control-address",
             control_address,
             "--user-output-rate-config",

