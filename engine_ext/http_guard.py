@@ -46,9 +46,12 @@ from pacing.attestation import ATTESTATION_FIELD, attest, attested_mode, key_fro
 from pacing.identity import (
     HEADER,
     OPENAI_USER,
+    TABLE_TEAM_SOURCE,
+    TEAM_FIELD,
     USER_FIELD,
     XARGS,
     XARGS_SOURCE,
+    TeamSource,
     UserSource,
     validate_user,
 )
@@ -131,12 +134,14 @@ _PYDANTIC_BOOL = TypeAdapter(bool)
 
 
 class IdentityPolicy(NamedTuple):
-    """Where a request's user id comes from, whether one is required, and the
-    key that attests it (the attested mode only)."""
+    """Where a request's user id comes from, whether one is required, the
+    key that attests it (the attested mode only), and where its team comes
+    from (a header only with a gateway user source)."""
 
     source: UserSource = XARGS_SOURCE
     require_user: bool = False
     key: bytes | None = None
+    team_source: TeamSource = TABLE_TEAM_SOURCE
 
     @classmethod
     def from_settings(
@@ -146,7 +151,7 @@ class IdentityPolicy(NamedTuple):
         attested mode has no key in ``environ``."""
         attested = attested_mode(paced.user_source, paced.require_user)
         key = key_from(environ) if attested else None
-        return cls(paced.user_source, paced.require_user, key)
+        return cls(paced.user_source, paced.require_user, key, paced.team_source)
 
 
 #: Today's behaviour: the client names its user in the body, or none.
@@ -234,13 +239,24 @@ def check_payload(
             f"{source.where} ({USER_SOURCE_FLAG} {source.spec})",
             field,
         )
-    if (
-        policy.key is not None
-        and isinstance(xargs, dict)
-        and ATTESTATION_FIELD in xargs
-    ):
-        where = ".".join((*shape.xargs, ATTESTATION_FIELD))
-        return Rejection(f"{where} must not be sent: only this server writes it", where)
+    if policy.key is not None and isinstance(xargs, dict):
+        for written_here in (ATTESTATION_FIELD, TEAM_FIELD):
+            if written_here in xargs:
+                where = ".".join((*shape.xargs, written_here))
+                return Rejection(
+                    f"{where} must not be sent: only this server writes it", where
+                )
+    team: str | None = None
+    team_header = policy.team_source.header
+    if team_header is not None:
+        sent_team = _header_value(headers, team_header, policy.team_source.where)
+        if isinstance(sent_team, Rejection):
+            return sent_team
+        if sent_team:  # an empty header names no team, as for users
+            try:
+                team = validate_user(sent_team, field=policy.team_source.where)
+            except ValueError as exc:
+                return Rejection(str(exc), None)
     named = _named_user(payload, xargs if sent else None, shape, source, headers)
     if isinstance(named, Rejection):
         return named
@@ -258,8 +274,10 @@ def check_payload(
     if not shape.samples or (source.kind == XARGS and policy.key is None):
         return None
     written = {USER_FIELD: valid}
+    if team is not None:
+        written[TEAM_FIELD] = team
     if policy.key is not None:
-        written[ATTESTATION_FIELD] = attest(policy.key, valid, int(time.time()))
+        written[ATTESTATION_FIELD] = attest(policy.key, valid, int(time.time()), team)
     return written
 
 
@@ -279,7 +297,8 @@ def _named_user(
         where = ".".join((*shape.xargs, USER_FIELD))
         return (_ABSENT if xargs is None else xargs[USER_FIELD]), where
     if source.kind == HEADER:
-        value = _header_value(headers, source)
+        assert source.header is not None  # a header source names one
+        value = _header_value(headers, source.header, source.where)
         if isinstance(value, Rejection):
             return value
         return (value or _ABSENT), source.where
@@ -288,26 +307,25 @@ def _named_user(
 
 
 def _header_value(
-    headers: Sequence[tuple[bytes, bytes]], source: UserSource
+    headers: Sequence[tuple[bytes, bytes]], header: str, where: str
 ) -> str | Rejection | None:
-    """The value of ``source``'s header, stripped as HTTP field values are; None
-    when absent."""
-    assert source.header is not None  # a header source names one
-    name = source.header.encode("latin-1")
+    """The value of header ``header`` (``where``: its name in messages),
+    stripped as HTTP field values are; None when absent."""
+    name = header.encode("latin-1")
     values = [value for key, value in headers if key.lower() == name]
     if not values:
         return None
     if len(values) > 1:
-        return Rejection(f"{source.where} must be sent once, got {len(values)}", None)
+        return Rejection(f"{where} must be sent once, got {len(values)}", None)
     try:
         value = values[0].decode("utf-8").strip(" \t")
     except UnicodeDecodeError:
-        return Rejection(f"{source.where} must be UTF-8", None)
+        return Rejection(f"{where} must be UTF-8", None)
     if "," in value:
         # A proxy merges a header sent twice into "a, b": each combination
-        # would be a user (and a budget) of its own.
+        # would be an id (and a budget) of its own.
         return Rejection(
-            f"{source.where} must hold one user id: it must not contain a comma",
+            f"{where} must hold one id: it must not contain a comma",
             None,
         )
     return value

@@ -218,13 +218,26 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if request_id in self._users.user_of:
             return
         params = request.sampling_params
-        user = self._identity.user_of(request_id, params.extra_args if params else None)
-        if user is None:
+        identity = self._identity.identify(
+            request_id, params.extra_args if params else None
+        )
+        if identity is not None and identity.team is not None:
+            shared = self.output_rate_shared
+            with shared.lock:
+                if not shared.teams.assign(identity.user, identity.team):
+                    logger.warning(
+                        "request %s refused: its gateway named team %r, which "
+                        "does not exist (--output-rate-teams)",
+                        request_id,
+                        identity.team,
+                    )
+                    identity = None
+        if identity is None:
             # Finished before any step: it is never scheduled.
             self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
             self._refused.append(request)
             return
-        self._users.add(request_id, user, paced=self.limiter.enabled)
+        self._users.add(request_id, identity.user, paced=self.limiter.enabled)
 
     def _free_request(
         self, request: Request, delay_free_blocks: bool = False

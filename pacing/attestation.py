@@ -24,10 +24,11 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from pacing.identity import (
     ANONYMOUS_USER,
+    TEAM_FIELD,
     USER_FIELD,
     XARGS_SOURCE,
     UserSource,
@@ -89,27 +90,43 @@ def key_from(environ: Mapping[str, str]) -> bytes:
     return key
 
 
-def attest(key: bytes, user: str, issued_at: int) -> str:
-    """The attestation of ``user`` (already a valid id) under ``key``, issued at
-    ``issued_at`` (Unix seconds): ``"<issued_at>.<hex HMAC>"``. The time makes
-    it expire: vLLM's request log (``--enable-log-requests``) prints extra
-    args, so an attestation read there is worth ``LIFETIME_S`` at most."""
-    mac = hmac.new(key, f"{issued_at}\x00{user}".encode(), hashlib.sha256)
+def attest(key: bytes, user: str, issued_at: int, team: str | None = None) -> str:
+    """The attestation of ``user`` (already a valid id), and of ``team`` when
+    the gateway named one, under ``key``, issued at ``issued_at`` (Unix
+    seconds): ``"<issued_at>.<hex HMAC>"``. The time makes it expire: vLLM's
+    request log (``--enable-log-requests``) prints extra args, so an
+    attestation read there is worth ``LIFETIME_S`` at most. Ids hold no NUL
+    (``validate_user``), so the fields cannot run into each other."""
+    message = f"{issued_at}\x00{user}"
+    if team is not None:
+        message += f"\x00{team}"
+    mac = hmac.new(key, message.encode(), hashlib.sha256)
     return f"{issued_at}.{mac.hexdigest()}"
 
 
-def attested_user(
+class Identity(NamedTuple):
+    """Who a request is charged to, and the team its gateway named (None:
+    the membership table decides)."""
+
+    user: str
+    team: str | None = None
+
+
+def attested_identity(
     key: bytes, extra_args: Mapping[str, Any] | None, now: float
-) -> str | None:
-    """The id ``extra_args`` names if its attestation matches and was issued
-    within ``LIFETIME_S`` before ``now`` (Unix seconds; up to ``CLOCK_SKEW_S``
-    after it), else None (no id, no attestation, a forged, expired or
-    malformed one, or values of the wrong type)."""
+) -> Identity | None:
+    """The id (and team) ``extra_args`` names if its attestation matches and
+    was issued within ``LIFETIME_S`` before ``now`` (Unix seconds; up to
+    ``CLOCK_SKEW_S`` after it), else None (no id, no attestation, a forged,
+    expired or malformed one, or values of the wrong type)."""
     if not extra_args:
         return None
     user = extra_args.get(USER_FIELD)
     tag = extra_args.get(ATTESTATION_FIELD)
+    team = extra_args.get(TEAM_FIELD)
     if not isinstance(user, str) or not isinstance(tag, str):
+        return None
+    if team is not None and not isinstance(team, str):
         return None
     issued_text, _, _ = tag.partition(".")
     if not issued_text.isascii() or not issued_text.isdigit() or len(issued_text) > 12:
@@ -118,11 +135,11 @@ def attested_user(
     if not now - LIFETIME_S <= issued_at <= now + CLOCK_SKEW_S:
         return None
     try:
-        expected = attest(key, user, issued_at).encode()
+        expected = attest(key, user, issued_at, team).encode()
     except UnicodeEncodeError:  # a lone surrogate
         return None
     sent = tag.encode("utf-8", "replace")
-    return user if hmac.compare_digest(expected, sent) else None
+    return Identity(user, team) if hmac.compare_digest(expected, sent) else None
 
 
 #: Unattested or refused requests are logged at most this often (ns): a client
@@ -169,23 +186,25 @@ class RequestIdentity:
         key = key_from(environ) if attested_mode(source, require_user) else None
         return cls(key, require_user=require_user, clock=clock)
 
-    def user_of(
+    def identify(
         self, request_id: str, extra_args: Mapping[str, Any] | None
-    ) -> str | None:
-        """The user ``request_id`` is charged to; None when it is refused."""
+    ) -> Identity | None:
+        """The user ``request_id`` is charged to, and the team its gateway
+        named (attested with the user; never in the unattested mode); None
+        when the request is refused."""
         if self._key is None:
             try:
-                return user_from_extra_args(extra_args)
+                return Identity(user_from_extra_args(extra_args))
             except ValueError as exc:
                 # The HTTP guard rejects these with 400; only offline callers
                 # get here.
                 self._log(
                     "request %s: %s; charging it as %s", request_id, exc, ANONYMOUS_USER
                 )
-                return ANONYMOUS_USER
-        user = attested_user(self._key, extra_args, self._wall_clock())
-        if user is not None:
-            return user
+                return Identity(ANONYMOUS_USER)
+        identity = attested_identity(self._key, extra_args, self._wall_clock())
+        if identity is not None:
+            return identity
         if self._require_user:
             self._log(
                 "request %s refused: its user id was not checked by the HTTP "
@@ -201,7 +220,7 @@ class RequestIdentity:
                 request_id,
                 ANONYMOUS_USER,
             )
-        return ANONYMOUS_USER
+        return Identity(ANONYMOUS_USER)
 
     def _log(self, message: str, *args: object) -> None:
         now_ns = self._clock()

@@ -18,6 +18,9 @@ from typing import Any, Final, Literal
 
 #: Key in ``vllm_xargs`` / ``SamplingParams.extra_args``.
 USER_FIELD = "output_rate_user"
+#: Key beside ``USER_FIELD`` for the team a gateway named (``TeamSource``);
+#: only the guard writes it, and only with a team header source.
+TEAM_FIELD = "output_rate_team"
 #: The shared budget of requests that name no user.
 ANONYMOUS_USER = "__anonymous__"
 #: Longest accepted user id, in UTF-8 bytes (bounds memory per tracked user).
@@ -152,7 +155,13 @@ def parse_user_source(raw: object, *, field: str = "user source") -> UserSource:
         raise ValueError(
             f"{field} must be xargs, header:NAME or openai-user, got {raw!r}"
         )
-    name = text[len(_HEADER_PREFIX) :].strip()
+    return UserSource(HEADER, _header_name(text[len(_HEADER_PREFIX) :], field))
+
+
+def _header_name(raw: str, field: str) -> str:
+    """``raw`` as a lower-case HTTP header name that carries no credential;
+    ValueError naming ``field`` otherwise."""
+    name = raw.strip()
     if not _HEADER_NAME.fullmatch(name):
         raise ValueError(
             f"{field} names no valid HTTP header ({name!r}): NAME must be one "
@@ -164,4 +173,52 @@ def parse_user_source(raw: object, *, field: str = "user source") -> UserSource:
             "end up in metrics labels and logs; let the gateway map it to a user "
             "id in a header of its own"
         )
-    return UserSource(HEADER, name.lower())
+    return name.lower()
+
+
+#: ``--output-rate-team-source`` value for the membership table.
+TABLE: Final = "table"
+
+
+@dataclass(frozen=True)
+class TeamSource:
+    """Where a request's team comes from: the membership table (``header``
+    None), or request header ``header`` (lower case) set by the trusted
+    gateway, which then decides the team of the request's user."""
+
+    header: str | None = None
+
+    @property
+    def spec(self) -> str:
+        """The ``--output-rate-team-source`` value that selects this source."""
+        return TABLE if self.header is None else f"{_HEADER_PREFIX}{self.header}"
+
+    @property
+    def where(self) -> str:
+        return (
+            "the membership table"
+            if self.header is None
+            else (f"request header {self.header}")
+        )
+
+
+#: The default: the membership table.
+TABLE_TEAM_SOURCE = TeamSource()
+
+
+def parse_team_source(raw: object, *, field: str = "team source") -> TeamSource:
+    """``raw`` (``table`` or ``header:NAME``, case-insensitive) as a
+    ``TeamSource``; ValueError naming ``field`` otherwise (NAME follows the
+    user source's header rules)."""
+    if isinstance(raw, TeamSource):
+        return raw
+    if not isinstance(raw, str):
+        raise ValueError(
+            f"{field} must be a string (table or header:NAME), got {type(raw).__name__}"
+        )
+    text = raw.strip()
+    if text.lower() == TABLE:
+        return TABLE_TEAM_SOURCE
+    if text[: len(_HEADER_PREFIX)].lower() != _HEADER_PREFIX:
+        raise ValueError(f"{field} must be table or header:NAME, got {raw!r}")
+    return TeamSource(_header_name(text[len(_HEADER_PREFIX) :], field))

@@ -226,6 +226,19 @@ class Teams:
         self.vt.pop(user, None)
         self.changes += 1
 
+    def assign(self, user: str, team: str) -> bool:
+        """Makes ``user`` a member of ``team`` as its gateway said
+        (``--output-rate-team-source header:NAME``); False, changing nothing,
+        when ``team`` does not exist (the request is refused: a team the
+        operator never defined must not lift its members' team cap)."""
+        if self.table.rate_of(team) is None:
+            return False
+        if self.table.team_of(user) != team:
+            self.table.set_membership(user, team)
+            self.vt.pop(user, None)
+            self.changes += 1
+        return True
+
     def replace(self, table: TeamTable, now_ns: int) -> None:
         """Makes ``table`` the team table, keeping each remaining team's debt."""
         for team in self.table.rates.keys() - table.rates.keys():

@@ -49,7 +49,7 @@ def test_only_a_gateway_source_or_a_required_user_is_attested():
 @pytest.mark.parametrize("issued_at", [NOW, NOW - LIFETIME_S, NOW + CLOCK_SKEW_S])
 def test_an_attested_id_is_charged_to_its_user(issued_at):
     xargs = {USER_FIELD: "vip", ATTESTATION_FIELD: attest(KEY, "vip", issued_at)}
-    assert identity().user_of("r", xargs) == "vip"
+    assert identity().identify("r", xargs) == ("vip", None)
 
 
 @pytest.mark.parametrize(
@@ -83,14 +83,14 @@ def test_an_attested_id_is_charged_to_its_user(issued_at):
 def test_an_unattested_request_is_anonymous_or_refused_when_a_user_is_required(
     xargs,
 ):
-    assert identity().user_of("r", xargs) == ANONYMOUS_USER
-    assert identity(require_user=True).user_of("r", xargs) is None
+    assert identity().identify("r", xargs) == (ANONYMOUS_USER, None)
+    assert identity(require_user=True).identify("r", xargs) is None
 
 
 def test_without_the_attested_mode_the_client_names_its_user():
     plain = RequestIdentity(None, require_user=False, clock=lambda: 0)
-    assert plain.user_of("r", {USER_FIELD: "vip"}) == "vip"
-    assert plain.user_of("r", {USER_FIELD: ""}) == ANONYMOUS_USER
+    assert plain.identify("r", {USER_FIELD: "vip"}) == ("vip", None)
+    assert plain.identify("r", {USER_FIELD: ""}) == (ANONYMOUS_USER, None)
 
 
 def test_the_attested_mode_refuses_to_start_without_a_key():

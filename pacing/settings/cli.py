@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
+from pacing.identity import (
+    TABLE_TEAM_SOURCE,
+    XARGS_SOURCE,
+    TeamSource,
+    UserSource,
+    parse_team_source,
+    parse_user_source,
+)
 from pacing.limiter import validate_rate
 from pacing.modes import Mode, parse_mode
 from pacing.settings.checks import (
@@ -36,6 +43,7 @@ from pacing.settings.flags import (
     REQUIRE_USER_FLAG,
     TABLE_FLAGS,
     TEAM_MEMBERS_FLAG,
+    TEAM_SOURCE_FLAG,
     TEAMS_FLAG,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
@@ -156,6 +164,16 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         "(xargs, the default; the client sets it), request header NAME (set by "
         "a trusted gateway), or the OpenAI `user` field. With header:NAME or "
         "openai-user a client-sent vllm_xargs.output_rate_user is refused (400).",
+    )
+    group.add_argument(
+        TEAM_SOURCE_FLAG,
+        type=_team_source_arg,
+        default=TABLE_TEAM_SOURCE,
+        metavar="{table,header:NAME}",
+        help="Where a request's team comes from: the membership table "
+        "(--output-rate-team-members; the default), or request header NAME set "
+        "by the trusted gateway (needs a gateway --output-rate-user-source; a "
+        "team that does not exist refuses the request).",
     )
     group.add_argument(
         REQUIRE_USER_FLAG,
@@ -338,6 +356,13 @@ def _mode_arg(raw: str) -> Mode:
 def _user_source_arg(raw: str) -> UserSource:
     try:
         return parse_user_source(raw, field="value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _team_source_arg(raw: str) -> TeamSource:
+    try:
+        return parse_team_source(raw, field="value")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

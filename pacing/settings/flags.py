@@ -19,6 +19,7 @@ TEAM_MEMBERS_FLAG = "--output-rate-team-members"
 EXEMPT_USERS_FLAG = "--output-rate-exempt-users"
 EXEMPT_TIERS_FLAG = "--output-rate-exempt-tiers"
 USER_SOURCE_FLAG = "--output-rate-user-source"
+TEAM_SOURCE_FLAG = "--output-rate-team-source"
 REQUIRE_USER_FLAG = "--output-rate-require-user"
 FAIR_SHARE_FLAG = "--output-rate-fair-share"
 WEIGHTS_FLAG = "--output-rate-weights"
@@ -44,6 +45,7 @@ SETTING_FLAGS = {
     "default_rate": DEFAULT_RATE_FLAG,
     "mode": MODE_FLAG,
     "user_source": USER_SOURCE_FLAG,
+    "team_source": TEAM_SOURCE_FLAG,
     "require_user": REQUIRE_USER_FLAG,
     "fair_share": FAIR_SHARE_FLAG,
     "user_weights": WEIGHTS_FLAG,

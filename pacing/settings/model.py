@@ -23,6 +23,7 @@ in ``pacing.settings.checks``.
       "team_rates": {"acme": 600},     # tok/s shared by a team (pacing.teams)
       "team_members": {"user-a": "acme"},
       "user_source": "xargs",          # or "header:NAME", "openai-user"
+      "team_source": "table",          # or "header:NAME" (a gateway's)
       "require_user": false,           # true: no id is a 401, not __anonymous__
       "fair_share": false,             # weighted fair share (pacing.fair_share)
       "fair_share_config": {"prompt_price": 1, "output_price": 2,
@@ -61,7 +62,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pacing.fair_share import FairShare, FairShareSettings, Weights
-from pacing.identity import XARGS_SOURCE, UserSource, parse_user_source
+from pacing.identity import (
+    TABLE_TEAM_SOURCE,
+    XARGS_SOURCE,
+    TeamSource,
+    UserSource,
+    parse_team_source,
+    parse_user_source,
+)
 from pacing.limiter import OutputRateLimiter, validate_rate
 from pacing.modes import Mode, parse_mode
 from pacing.settings.checks import (
@@ -95,6 +103,7 @@ from pacing.settings.flags import (
     SETTING_FLAGS,
     TABLE_FLAGS,
     TEAM_MEMBERS_FLAG,
+    TEAM_SOURCE_FLAG,
     TEAMS_FLAG,
     TIER_MEMBERS_FLAG,
     TIERS_FLAG,
@@ -226,6 +235,7 @@ class OutputRateSettings:
     team_rates: Mapping[str, int] = field(default_factory=dict)
     team_members: Mapping[str, str] = field(default_factory=dict)  # user -> team
     team_weights: Mapping[str, float] = field(default_factory=dict)
+    team_source: TeamSource = TABLE_TEAM_SOURCE
 
     def __post_init__(self) -> None:
         # Normalised so that equality and ``.value`` hold for a mode given by
@@ -238,6 +248,8 @@ class OutputRateSettings:
             object.__setattr__(self, "mode", parse_mode(self.mode, field=MODE_FLAG))
             source = parse_user_source(self.user_source, field=USER_SOURCE_FLAG)
             object.__setattr__(self, "user_source", source)
+            team_source = parse_team_source(self.team_source, field=TEAM_SOURCE_FLAG)
+            object.__setattr__(self, "team_source", team_source)
             if self.default_rate is not None:
                 validate_rate(self.default_rate, field=DEFAULT_RATE_FLAG)
             for name in TABLE_FLAGS:
@@ -280,6 +292,19 @@ class OutputRateSettings:
                     f"{WEIGHTS_FLAG} weighs team {team!r}, which {TEAMS_FLAG} "
                     "does not define"
                 )
+        if self.team_source.header is not None:
+            if self.user_source == XARGS_SOURCE:
+                raise SettingsError(
+                    f"{TEAM_SOURCE_FLAG} {self.team_source.spec} needs a gateway "
+                    f"user source ({USER_SOURCE_FLAG} header:NAME or openai-user): "
+                    "a team header is trusted only from the gateway that names "
+                    "the user"
+                )
+            if self.team_source.header == self.user_source.header:
+                raise SettingsError(
+                    f"{TEAM_SOURCE_FLAG} and {USER_SOURCE_FLAG} name the same "
+                    f"header ({self.team_source.header})"
+                )
         if self.team_rates and self.store is not None:
             raise SettingsError(
                 f"{TEAMS_FLAG} with {STORE_FLAG}: team cells are not kept in the "
@@ -298,6 +323,8 @@ class OutputRateSettings:
                 given.append(MODE_FLAG)
             if self.user_source != XARGS_SOURCE:
                 given.append(USER_SOURCE_FLAG)
+            if self.team_source != TABLE_TEAM_SOURCE:
+                given.append(TEAM_SOURCE_FLAG)
             if self.require_user:
                 given.append(REQUIRE_USER_FLAG)
             if self.store is not None:
@@ -368,6 +395,7 @@ class OutputRateSettings:
         mode = getattr(args, dest(MODE_FLAG))
         identity = {
             "user_source": getattr(args, dest(USER_SOURCE_FLAG)),
+            "team_source": getattr(args, dest(TEAM_SOURCE_FLAG)),
             "require_user": getattr(args, dest(REQUIRE_USER_FLAG)),
         }
         user_weights, tier_weights, team_weights = weights_from_flag(
@@ -441,6 +469,14 @@ class OutputRateSettings:
                 )
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+        team_source = entry.get("team_source")  # absent or null: the table
+        if team_source is not None:
+            try:
+                team_source = parse_team_source(
+                    team_source, field=f"{where}['team_source']"
+                )
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         require_user = entry.get("require_user")
         if require_user is not None and not isinstance(require_user, bool):
             raise SettingsError(f"{where}['require_user'] must be a boolean")
@@ -495,6 +531,7 @@ class OutputRateSettings:
             team_rates=object_entry(entry, "team_rates", where),
             team_members=object_entry(entry, "team_members", where),
             team_weights=team_weights,
+            team_source=TABLE_TEAM_SOURCE if team_source is None else team_source,
         )
 
     def to_additional_config(self) -> dict[str, Any]:
@@ -525,6 +562,8 @@ class OutputRateSettings:
             entry["team_members"] = dict(self.team_members)
         if self.team_weights:
             entry["team_weights"] = dict(self.team_weights)
+        if self.team_source != TABLE_TEAM_SOURCE:
+            entry["team_source"] = self.team_source.spec
         if self.control is not None:
             entry["control"] = asdict(self.control)
         if self.store is not None:

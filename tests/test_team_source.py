@@ -1,0 +1,255 @@
+"""``--output-rate-team-source header:NAME``: the team from a header the trusted
+gateway sets, under the user id's guard rules (refused from a client's body, one
+id rule, HTTP 400 for bad values, attested with the user so that it cannot be
+forged past the guard), on the real guard and vLLM's real Scheduler."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from vllm.v1.request import RequestStatus
+
+import engine_ext.http_guard
+from engine_ext.http_guard import OutputRateRequestGuard
+from pacing.attestation import (
+    ATTESTATION_FIELD,
+    KEY_BYTES,
+    KEY_ENV,
+    attest,
+    attested_identity,
+)
+from pacing.identity import TEAM_FIELD, USER_FIELD, parse_team_source
+from pacing.settings.checks import SettingsError
+from pacing.settings.model import OutputRateSettings
+from tools.scheduler_harness import SYNC_AND_ASYNC, driven_scheduler, make_request
+
+KEY = bytes(range(KEY_BYTES))
+NOW = 1_800_000_000
+GATEWAY = {
+    "user_source": "header:x-user-id",
+    "team_source": "header:x-team-id",
+    "team_rates": {"acme": 60, "beta": 20},
+}
+
+
+@pytest.fixture(autouse=True)
+def attestation_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY.hex())
+
+
+# -- settings -------------------------------------------------------------------
+
+
+def test_a_team_header_needs_a_gateway_user_source():
+    with pytest.raises(SettingsError, match="needs a gateway user source"):
+        OutputRateSettings(default_rate=100, team_source="header:x-team-id")
+
+
+def test_the_team_and_user_headers_must_differ():
+    with pytest.raises(SettingsError, match="name the same header"):
+        OutputRateSettings(
+            default_rate=100,
+            user_source="header:x-id",
+            team_source="header:X-Id",
+        )
+
+
+@pytest.mark.parametrize("bad", ["header:authorization", "header:", "teams", 3])
+def test_a_bad_team_source_is_refused_naming_the_flag(bad):
+    with pytest.raises(SettingsError, match="--output-rate-team-source"):
+        OutputRateSettings(
+            default_rate=100, user_source="header:x-user-id", team_source=bad
+        )
+
+
+def test_the_team_source_travels_in_additional_config():
+    settings = OutputRateSettings(default_rate=100, **GATEWAY)
+    entry = settings.to_additional_config()
+    assert entry["team_source"] == "header:x-team-id"
+    again = OutputRateSettings.from_additional_config({"output_rate": entry})
+    assert again.team_source == parse_team_source("header:x-team-id")
+    assert (
+        "team_source" not in OutputRateSettings(default_rate=1).to_additional_config()
+    )
+
+
+# -- the guard ------------------------------------------------------------------
+
+
+async def echo(request: Request) -> Response:
+    return Response(await request.body(), media_type="application/octet-stream")
+
+
+def app(**settings: Any) -> Starlette:
+    paced = OutputRateSettings(default_rate=100, **settings)
+    built = Starlette(
+        routes=[Route("/v1/completions", echo, methods=["POST"])],
+        middleware=[Middleware(OutputRateRequestGuard)],
+    )
+    additional = {"output_rate": paced.to_additional_config()}
+    built.state.vllm_config = SimpleNamespace(additional_config=additional)
+    return built
+
+
+async def post(body: dict[str, Any], headers: list[tuple[bytes, bytes]], **settings):
+    transport = httpx.ASGITransport(app=app(**settings))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        return await client.post(
+            "/v1/completions", content=json.dumps(body).encode(), headers=headers
+        )
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def stopped_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        engine_ext.http_guard, "time", SimpleNamespace(time=lambda: NOW)
+    )
+
+
+@pytest.mark.anyio
+async def test_the_guard_writes_the_gateways_team_attested_with_the_user(
+    stopped_clock,
+):
+    response = await post(
+        {"prompt": "hi"}, [(b"x-user-id", b"alice"), (b"x-team-id", b"acme")], **GATEWAY
+    )
+    assert response.status_code == 200
+    xargs = response.json()["vllm_xargs"]
+    assert xargs == {
+        USER_FIELD: "alice",
+        TEAM_FIELD: "acme",
+        ATTESTATION_FIELD: attest(KEY, "alice", NOW, "acme"),
+    }
+    assert attested_identity(KEY, xargs, NOW) == ("alice", "acme")
+
+
+@pytest.mark.anyio
+async def test_without_the_team_header_no_team_is_written(stopped_clock):
+    response = await post({"prompt": "hi"}, [(b"x-user-id", b"alice")], **GATEWAY)
+    assert response.status_code == 200
+    assert TEAM_FIELD not in response.json()["vllm_xargs"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (b"acme, beta", "must not contain a comma"),
+        (b"a\x01b", "must not contain control characters"),
+        (b"\xff", "must be UTF-8"),
+        (b"x" * 257, "at most 256 bytes"),
+    ],
+)
+async def test_a_bad_team_header_gets_400(value, message):
+    response = await post(
+        {"prompt": "hi"}, [(b"x-user-id", b"alice"), (b"x-team-id", value)], **GATEWAY
+    )
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "settings",
+    [GATEWAY, {"user_source": "header:x-user-id"}, {"require_user": True}],
+    ids=["team_header", "user_header_only", "require_user"],
+)
+async def test_a_client_cannot_name_its_team_in_the_body(settings):
+    response = await post(
+        {"prompt": "hi", "vllm_xargs": {TEAM_FIELD: "acme"}},
+        [(b"x-user-id", b"alice")],
+        **settings,
+    )
+    assert response.status_code == 400
+    assert f"{TEAM_FIELD} must not be sent" in response.json()["error"]["message"]
+
+
+# -- the attestation ------------------------------------------------------------
+
+
+def test_the_attestation_covers_the_team():
+    xargs = {
+        USER_FIELD: "alice",
+        TEAM_FIELD: "acme",
+        ATTESTATION_FIELD: attest(KEY, "alice", NOW),  # the user's alone
+    }
+    assert attested_identity(KEY, xargs, NOW) is None
+    xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, "beta")  # another team
+    assert attested_identity(KEY, xargs, NOW) is None
+    xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, "acme")
+    assert attested_identity(KEY, xargs, NOW) == ("alice", "acme")
+    del xargs[TEAM_FIELD]  # the team dropped on the way
+    assert attested_identity(KEY, xargs, NOW) is None
+
+
+# -- the scheduler --------------------------------------------------------------
+
+
+def as_gateway_sends(user: str, team: str | None, attestation_team: str | None):
+    request = make_request(user)
+    extra = request.sampling_params.extra_args
+    if team is not None:
+        extra[TEAM_FIELD] = team
+    extra[ATTESTATION_FIELD] = attest(KEY, user, int(time.time()), attestation_team)
+    return request
+
+
+@SYNC_AND_ASYNC
+def test_the_gateways_team_decides_the_users_team_cap(tiny_model_dir, async_scheduling):
+    """Alice arrives named in team beta (20 tok/s) by her gateway: over 10 s
+    the team's cell holds her to 20 tok/s + the burst; a later request names
+    acme and moves her there."""
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=10_000,
+        output_rate=GATEWAY,
+    )
+    driver.add([as_gateway_sends("alice", "beta", "beta") for _ in range(3)])
+    driver.run(1_000, step_ms=10.0)  # 10 s
+    teams = scheduler.output_rate_shared.teams
+    assert teams.table.team_of("alice") == "beta"
+    assert 20 * 10 <= teams.charged["beta"] <= 20 * 10.1 + 1
+    driver.add([as_gateway_sends("alice", "acme", "acme")])
+    assert teams.table.team_of("alice") == "acme"
+
+
+@SYNC_AND_ASYNC
+def test_a_team_that_does_not_exist_refuses_the_request(
+    tiny_model_dir, async_scheduling
+):
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir, async_scheduling, default_rate=10_000, output_rate=GATEWAY
+    )
+    request = as_gateway_sends("alice", "nosuch", "nosuch")
+    driver.add([request])
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert scheduler.output_rate_shared.teams.table.team_of("alice") is None
+
+
+@SYNC_AND_ASYNC
+def test_a_team_added_past_the_guard_does_not_count(tiny_model_dir, async_scheduling):
+    """A request whose team was added after the guard attested the user alone
+    fails the attestation: charged to the anonymous budget, in no team."""
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir, async_scheduling, default_rate=10_000, output_rate=GATEWAY
+    )
+    request = as_gateway_sends("alice", "acme", None)
+    driver.add([request])
+    assert scheduler.user_of(request) == "__anonymous__"
+    assert scheduler.output_rate_shared.teams.table.team_of("alice") is None
