@@ -2,7 +2,8 @@
 printed as one table of ratios, with the machine it ran on.
 
 ``python -m benchmarks.compare_stock [--only scheduler,limiter] [--repeats 5]
-[--throughput-runs 15] [--async-scheduling | --no-async-scheduling] [--json PATH]``
+[--throughput-runs 15] [--async-scheduling | --no-async-scheduling]
+[--throughput-team] [--json PATH]``
 
 Parts (``--only`` takes a comma-separated subset; the first two need no server):
 
@@ -387,6 +388,14 @@ def limiter_part() -> tuple[list[Row], dict]:
 #: Limits of the paced server; everyone else gets DEFAULT_RATE (never reached).
 SERVER_LIMITS = {"user-a": 20, "user-parked": 2, "user-smooth": 20}
 THROUGHPUT_STREAMS, THROUGHPUT_TOKENS = 16, 400
+#: With ``--throughput-team``: the throughput user in a team far above what it
+#: takes (every token charged to the user and to the team, nothing refused).
+THROUGHPUT_TEAM_ARGS = [
+    "--output-rate-teams",
+    json.dumps({"bench-team": 100_000}),
+    "--output-rate-team-members",
+    json.dumps({"user-c": "bench-team"}),
+]
 #: Draft tokens per step with ``--speculative``.
 SPECULATIVE_DRAFTS = 3
 
@@ -436,10 +445,11 @@ def start_servers(
     server_args: list[str],
     stock: bool,
     swapped: bool = False,
+    paced_args: list[str] | None = None,
 ) -> tuple[VllmServer, VllmServer | None]:
     """The paced server and, with ``stock``, a stock one, started at once, each
     then confined to CPUs of its own (``server_cpus``; ``swapped`` exchanges the
-    two sets)."""
+    two sets); ``paced_args``: flags of the paced server only."""
     common = [
         "--custom-histogram-buckets",
         json.dumps({"inter_token_latency": ITL_BUCKETS}),
@@ -454,7 +464,7 @@ def start_servers(
             start_server,
             model_dir,
             workdir / f"paced{placement}.log",
-            pacing_args(SERVER_LIMITS) + common,
+            pacing_args(SERVER_LIMITS) + (paced_args or []) + common,
             env=_bind_env(paced_cpus),
         )
         stock_server = (
@@ -767,6 +777,11 @@ def main(argv: list[str] | None = None) -> None:
         help="both servers decode speculatively (the model drafting for itself, "
         "or n-gram), greedy; for the throughput part",
     )
+    parser.add_argument(
+        "--throughput-team",
+        action="store_true",
+        help="the throughput user in a team far above its demand (teams' cost)",
+    )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
     header = machine(args.async_scheduling)
@@ -809,7 +824,10 @@ def _server_parts(
             "--async-scheduling" if args.async_scheduling else "--no-async-scheduling"
         )
     need_stock = bool({"throughput", "parked"} & set(args.only))
-    paced, stock = start_servers(model_dir, workdir, server_args, need_stock)
+    team_args = THROUGHPUT_TEAM_ARGS if args.throughput_team else None
+    paced, stock = start_servers(
+        model_dir, workdir, server_args, need_stock, paced_args=team_args
+    )
     rows: list[Row] = []
     try:
         results["schedulers"] = check_servers(paced, stock)
@@ -837,7 +855,12 @@ def _server_parts(
     if "throughput" in args.only and stock is not None:
         # Once more with the CPU sets exchanged (see throughput_row).
         paced, stock = start_servers(
-            model_dir, workdir, server_args, stock=True, swapped=True
+            model_dir,
+            workdir,
+            server_args,
+            stock=True,
+            swapped=True,
+            paced_args=team_args,
         )
         assert stock is not None  # started with stock=True
         try:

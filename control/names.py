@@ -1,21 +1,24 @@
 """Resource names of the API (AIP-122): ``limits/{user}``, ``tiers/{tier}``,
-``userStates/{user}`` and the singletons ``defaultLimit``, ``limitsTable`` and
-``pacingMode``.
+``teams/{team}``, ``userStates/{user}``, ``teamStates/{team}`` and the
+singletons ``defaultLimit``, ``limitsTable`` and ``pacingMode``.
 
-The user or tier id is everything after the collection prefix, verbatim: ids may
-contain ``/``, and escaping them would make names differ from the ids operators
-type. It must be valid by ``pacing.identity.validate_user`` (tier ids follow
-the same rule). Error messages show names through ``shown`` (bounded, escaped).
+The user, tier or team id is everything after the collection prefix, verbatim:
+ids may contain ``/``, and escaping them would make names differ from the ids
+operators type. It must be valid by ``pacing.identity.validate_user`` (tier and
+team ids follow the same rule). Error messages show names through ``shown``
+(bounded, escaped).
 """
 
 from __future__ import annotations
 
 from control.errors import InvalidArgument
-from control.table import check_tier, check_user, shown
+from control.table import check_team, check_tier, check_user, shown
 
 LIMITS = "limits/"
 TIERS = "tiers/"
+TEAMS = "teams/"
 USER_STATES = "userStates/"
+TEAM_STATES = "teamStates/"
 DEFAULT_LIMIT = "defaultLimit"
 LIMITS_TABLE = "limitsTable"
 PACING_MODE = "pacingMode"
@@ -43,6 +46,22 @@ def tier_id(name: str) -> str:
     return name.removeprefix(TIERS)
 
 
+def team_name(team: str) -> str:
+    """``teams/{team}``."""
+    return TEAMS + team
+
+
+def team_id(name: str) -> str:
+    """The team id in ``teams/{team}``, a name the server sent (not checked
+    again); ``""`` for ``""`` (no team)."""
+    return name.removeprefix(TEAMS)
+
+
+def team_state_name(team: str) -> str:
+    """``teamStates/{team}``."""
+    return TEAM_STATES + team
+
+
 def user_state_name(user: str) -> str:
     """``userStates/{user}``."""
     return USER_STATES + user
@@ -66,6 +85,17 @@ def parse_tier(name: str, *, field: str) -> str:
             f"{field} must look like {TIERS}{{tier}}, got {shown(name)}"
         )
     return check_tier(name[len(TIERS) :], field=f"tier id in {field}")
+
+
+def parse_team(name: str, prefix: str = TEAMS, *, field: str) -> str:
+    """The team id of ``{prefix}{team}`` (``teams/`` or ``teamStates/``);
+    InvalidArgument naming ``field`` when ``name`` has another form or the id
+    is invalid."""
+    if not name.startswith(prefix):
+        raise InvalidArgument(
+            f"{field} must look like {prefix}{{team}}, got {shown(name)}"
+        )
+    return check_team(name[len(prefix) :], field=f"team id in {field}")
 
 
 def check_singleton(name: str, expected: str, *, field: str) -> None:

@@ -2,8 +2,8 @@
 start, rewritten atomically after every accepted change, watched for edits.
 
 Format: see ``control.table`` (JSON for ``*.json``, YAML for ``*.yaml``/``*.yml``):
-the pacing mode, the fair-share switch, the default, tiers, user limits,
-memberships, exemptions and fair-share weights.
+the pacing mode, the fair-share switch, the default, tiers, teams, user
+limits, memberships (of tiers and of teams), exemptions and fair-share weights.
 
 Rules:
 
@@ -11,10 +11,12 @@ Rules:
   default wins over ``--default-user-output-tokens-per-second``, its mode over
   ``--output-rate-mode``, its ``fair_share`` over ``--output-rate-fair-share``,
   the file's limit wins for a user both name and the file's weight for a user
-  or tier both name (``--output-rate-weights``); tiers, memberships and
-  exemptions are added from the file (the flags' ``additional_config`` may
-  hold some too). A file that switches fair share on where the engine cannot
-  run it stops the start-up as a bad file does. A
+  or tier both name (``--output-rate-weights``), the file's rate and weight
+  for a team both name and its team for a user both place in one
+  (``--output-rate-teams``, ``--output-rate-team-members``); tiers, teams,
+  memberships and exemptions are added from the file (the flags'
+  ``additional_config`` may hold some too). A file that switches fair share
+  on where the engine cannot run it stops the start-up as a bad file does. A
   missing file is created from the flags; a file that does not parse or
   validate stops the start-up with an error naming the field (running on the
   flags alone could silently loosen limits).
@@ -70,22 +72,24 @@ from pacing.global_limits import LimitsVersion
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.periodic import Periodic
+from pacing.teams import TeamTable
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
 
 DEFAULT_POLL_INTERVAL_S = 1.0
 _YAML_HEADER = (
-    "# Per-user output-token limits (tokens per second), tiers, exemptions and\n"
-    "# the pacing mode. Edits are applied live; the control plane rewrites this\n"
+    "# Per-user output-token limits (tokens per second), tiers, teams, exemptions\n"
+    "# and the pacing mode. Edits are applied live; the control plane rewrites this\n"
     "# file after every change it accepts.\n"
 )
 
 
 def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
     """``flags`` overlaid by ``file``: the file's default, mode, switch, user
-    limits and weights win; its tiers, memberships and exemptions are added
-    (the etag dropped, the file's store version kept)."""
+    limits, team rates and weights win; its tiers, teams, memberships (of
+    tiers and of teams) and exemptions are added (the etag dropped, the file's
+    store version kept)."""
     return TableDocument(
         default_rate=(
             file.default_rate if file.default_rate is not None else flags.default_rate
@@ -99,6 +103,9 @@ def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
         user_weights={**flags.user_weights, **file.user_weights},
         tier_weights={**flags.tier_weights, **file.tier_weights},
         fair_share=file.fair_share if file.fair_share is not None else flags.fair_share,
+        team_rates={**flags.team_rates, **file.team_rates},
+        team_members={**flags.team_members, **file.team_members},
+        team_weights={**flags.team_weights, **file.team_weights},
         store_version=file.store_version,
     )
 
@@ -228,6 +235,7 @@ class FileCopy:
         table: LimitTable,
         mode: Mode,
         share: SharePolicy,
+        teams: TeamTable,
         version: LimitsVersion,
     ) -> None:
         self._file.write(
@@ -242,6 +250,9 @@ class FileCopy:
                 user_weights=dict(share.users),
                 tier_weights=dict(share.tiers),
                 fair_share=share.enabled,
+                team_weights=dict(share.teams),
+                team_rates=teams.rates,
+                team_members=teams.memberships,
                 store_version=version,
             )
         )

@@ -1,10 +1,12 @@
-"""The resources the limits service returns (``Limit``, ``Tier``,
-``LimitsTable``, ``PacingMode``, ``UserState``) and takes (``LimitSpec``,
-``TierSpec``), their etags, and their views of a ``TableDocument``.
+"""The resources the limits service returns (``Limit``, ``Tier``, ``Team``,
+``LimitsTable``, ``PacingMode``, ``UserState``, ``TeamState``) and takes
+(``LimitSpec``, ``TierSpec``, ``TeamSpec``), their etags, and their views of a
+``TableDocument``.
 
 A user's *entry* (``Limit``) is what the table holds for it: its own limit, its
-tier, its exemption, its fair-share weight, any of them; a *tier* exists while
-it has a rate or an exemption (its weight alone does not make one).
+tier, its exemption, its fair-share weight, its team, any of them; a *tier*
+exists while it has a rate or an exemption (its weight alone does not make
+one); a *team* exists while it has a rate.
 
 Invariant: the etag of an entry, a tier or the mode is a digest of its fields
 and this process's epoch only, so the same fields read twice in one process give
@@ -28,16 +30,16 @@ from pacing.modes import Mode
 from pacing.shared import UserSnapshot
 
 #: An entry's fields: own rate (None: none), tier (None: none), exempt, own
-#: weight (None: none).
-EntryFields = tuple[int | None, str | None, bool, float | None]
+#: weight (None: none), team (None: none).
+EntryFields = tuple[int | None, str | None, bool, float | None, str | None]
 #: The fields of no entry.
-NO_ENTRY: EntryFields = (None, None, False, None)
+NO_ENTRY: EntryFields = (None, None, False, None, None)
 
 
 @dataclass(frozen=True)
 class Limit:
     """One user's entry: own limit (0: none), tier, exemption, own weight (0:
-    none)."""
+    none), team."""
 
     user: str
     tokens_per_second: int
@@ -45,6 +47,7 @@ class Limit:
     exempt: bool = False
     etag: str = ""
     weight: float = 0.0
+    team: str | None = None
 
     @property
     def name(self) -> str:
@@ -67,15 +70,32 @@ class Tier:
         return names.tier_name(self.tier)
 
 
+@dataclass(frozen=True)
+class Team:
+    """One team: rate, weight (0: none), member count."""
+
+    team: str
+    tokens_per_second: int
+    weight: float = 0.0
+    member_count: int = 0
+    etag: str = ""
+
+    @property
+    def name(self) -> str:
+        return names.team_name(self.team)
+
+
 class LimitSpec(NamedTuple):
     """One entry of a table to replace, as received (``name`` is ``limits/{user}``,
-    ``tier`` is ``tiers/{tier}`` or empty)."""
+    ``tier`` is ``tiers/{tier}`` or empty, ``team`` is ``teams/{team}`` or
+    empty)."""
 
     name: str
     tokens_per_second: int
     tier: str = ""
     exempt: bool = False
     weight: float = 0.0
+    team: str = ""
 
 
 class TierSpec(NamedTuple):
@@ -87,14 +107,24 @@ class TierSpec(NamedTuple):
     weight: float = 0.0
 
 
+class TeamSpec(NamedTuple):
+    """One team of a table to replace, as received (``name`` is ``teams/{team}``)."""
+
+    name: str
+    tokens_per_second: int
+    weight: float = 0.0
+
+
 @dataclass(frozen=True)
 class LimitsTable:
-    """The default, all entries and all tiers (sorted), with the etag."""
+    """The default, all entries, all tiers and all teams (sorted), with the
+    etag."""
 
     default_tokens_per_second: int  #: 0 while pacing is off
     limits: list[Limit] = field(default_factory=list)
     etag: str = ""
     tiers: list[Tier] = field(default_factory=list)
+    teams: list[Team] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -134,8 +164,26 @@ class UserState:
     store: StoreView | None = None
 
 
+@dataclass(frozen=True)
+class TeamState:
+    """One team's budget, members and counters, read at one instant."""
+
+    team: str
+    tokens_per_second: int
+    weight: float  #: the weight that applies (own, else the default)
+    budget_tokens: int  #: whole tokens the team's cell holds now
+    tat_lead_ns: int
+    next_token_in_ns: int
+    member_count: int
+    running_members: int  #: members with requests in the engine
+    throttled_members: int  #: of those, skipped for lack of budget last step
+    tokens_charged: int  #: net (refunds subtracted)
+    throttled_steps: int  #: grants in which the team's rate bound
+    fair_share_service: float  #: the members' weighted service, summed
+
+
 class Etags:
-    """The etags of single resources (entries, tiers, the mode), computed from
+    """The etags of single resources (entries, tiers, teams, the mode), computed from
     their fields and ``epoch`` (random per process)."""
 
     def __init__(self, epoch: str) -> None:
@@ -153,6 +201,9 @@ class Etags:
         self, tier: str, rate: int | None, exempt: bool, weight: float | None
     ) -> str:
         return self.digest("tier", tier, rate, exempt, weight)
+
+    def team(self, team: str, rate: int, weight: float | None) -> str:
+        return self.digest("team", team, rate, weight)
 
     def mode(self, mode: Mode, fair_share: bool) -> str:
         return self.digest("mode", mode.value, fair_share)
@@ -172,9 +223,9 @@ def entry(etags: Etags, user: str, fields: EntryFields) -> Limit | None:
     """``user``'s entry with these fields, or None when it has none of them."""
     if fields == NO_ENTRY:
         return None
-    rate, tier, exempt, weight = fields
+    rate, tier, exempt, weight, team = fields
     etag = etags.limit(user, fields)
-    return Limit(user, rate or 0, tier, exempt, etag, weight or 0.0)
+    return Limit(user, rate or 0, tier, exempt, etag, weight or 0.0, team)
 
 
 def entry_fields(doc: TableDocument, user: str) -> EntryFields | None:
@@ -184,6 +235,7 @@ def entry_fields(doc: TableDocument, user: str) -> EntryFields | None:
         doc.memberships.get(user),
         user in doc.exempt_users,
         doc.user_weights.get(user),
+        doc.team_members.get(user),
     )
     return None if fields == NO_ENTRY else fields
 
@@ -204,6 +256,14 @@ def tier_of(etags: Etags, doc: TableDocument, tier: str, members: Counter[str]) 
     return Tier(tier, rate or 0, exempt, members[tier], etag, weight or 0.0)
 
 
+def team_of(etags: Etags, doc: TableDocument, team: str, members: Counter[str]) -> Team:
+    """Team ``team`` of ``doc``; ``members`` counts each team's members."""
+    rate = doc.team_rates[team]
+    weight = doc.team_weights.get(team)
+    etag = etags.team(team, rate, weight)
+    return Team(team, rate, weight or 0.0, members[team], etag)
+
+
 def pacing_mode(etags: Etags, mode: Mode, fair_share: bool) -> PacingMode:
     """The pacing mode resource of ``mode`` and the fair-share switch."""
     return PacingMode(mode, etags.mode(mode, fair_share), fair_share)
@@ -212,11 +272,15 @@ def pacing_mode(etags: Etags, mode: Mode, fair_share: bool) -> PacingMode:
 def table_of(etags: Etags, doc: TableDocument, etag: str) -> LimitsTable:
     """The whole of ``doc`` as a ``LimitsTable`` with the table etag ``etag``."""
     members = Counter(doc.memberships.values())
+    team_members = Counter(doc.team_members.values())
     return LimitsTable(
         default_tokens_per_second=doc.default_rate or 0,
         limits=[entry_of(etags, doc, user) for user in sorted(doc.users())],
         etag=etag,
         tiers=[tier_of(etags, doc, tier, members) for tier in sorted(doc.tiers)],
+        teams=[
+            team_of(etags, doc, team, team_members) for team in sorted(doc.team_rates)
+        ],
     )
 
 
@@ -229,3 +293,7 @@ def no_limit(user: str) -> NotFound:
 
 def no_tier(tier: str) -> NotFound:
     return NotFound(f"{shown(names.tier_name(tier))} does not exist")
+
+
+def no_team(team: str) -> NotFound:
+    return NotFound(f"{shown(names.team_name(team))} does not exist")

@@ -96,6 +96,7 @@ def serve(
     store's changes live in Redis alone: logged as a warning."""
     with shared.lock:
         ledger = shared.fair_share
+        teams = shared.teams.table
         flags = TableDocument(
             default_rate=shared.limiter.default_rate,
             user_rates=shared.limiter.user_rates,
@@ -107,6 +108,9 @@ def serve(
             user_weights=dict(ledger.weights.users),
             tier_weights=dict(ledger.weights.tiers),
             fair_share=ledger.enabled,
+            team_rates=teams.rates,
+            team_members=teams.memberships,
+            team_weights=dict(ledger.weights.teams),
         )
     file = None if settings.config_path is None else ConfigFile(settings.config_path)
     service = LimitsService(

@@ -18,6 +18,9 @@ from control.resources import (
     LimitSpec,
     LimitsTable,
     PacingMode,
+    Team,
+    TeamSpec,
+    TeamState,
     Tier,
     TierSpec,
     UserState,
@@ -103,6 +106,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 tier=limit.tier,
                 exempt=limit.exempt,
                 weight=limit.weight,
+                team=limit.team,
             )
         )
 
@@ -120,6 +124,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 exempt=limit.exempt,
                 etag=limit.etag,
                 weight=limit.weight,
+                team=limit.team,
             )
         )
 
@@ -178,6 +183,67 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         )
         return _empty_pb2.Empty()
 
+    def GetTeam(
+        self, request: _pb2.GetTeamRequest, context: grpc.ServicerContext
+    ) -> _pb2.Team:
+        return _team(self._service.get_team(request.name))
+
+    def ListTeams(
+        self, request: _pb2.ListTeamsRequest, context: grpc.ServicerContext
+    ) -> _pb2.ListTeamsResponse:
+        teams, token = self._service.list_teams(request.page_size, request.page_token)
+        return _pb2.ListTeamsResponse(
+            teams=[_team(team) for team in teams], next_page_token=token
+        )
+
+    def CreateTeam(
+        self, request: _pb2.CreateTeamRequest, context: grpc.ServicerContext
+    ) -> _pb2.Team:
+        team = request.team
+        return _team(
+            self._service.create_team(
+                request.team_id, team.tokens_per_second, team.weight
+            )
+        )
+
+    def UpdateTeam(
+        self, request: _pb2.UpdateTeamRequest, context: grpc.ServicerContext
+    ) -> _pb2.Team:
+        team = request.team
+        return _team(
+            self._service.update_team(
+                team.name,
+                team.tokens_per_second,
+                list(request.update_mask.paths),
+                allow_missing=request.allow_missing,
+                etag=team.etag,
+                weight=team.weight,
+            )
+        )
+
+    def DeleteTeam(
+        self, request: _pb2.DeleteTeamRequest, context: grpc.ServicerContext
+    ) -> _empty_pb2.Empty:
+        self._service.delete_team(
+            request.name, allow_missing=request.allow_missing, etag=request.etag
+        )
+        return _empty_pb2.Empty()
+
+    def GetTeamState(
+        self, request: _pb2.GetTeamStateRequest, context: grpc.ServicerContext
+    ) -> _pb2.TeamState:
+        return _team_state(self._service.get_team_state(request.name))
+
+    def ListTeamStates(
+        self, request: _pb2.ListTeamStatesRequest, context: grpc.ServicerContext
+    ) -> _pb2.ListTeamStatesResponse:
+        states, token = self._service.list_team_states(
+            request.page_size, request.page_token
+        )
+        return _pb2.ListTeamStatesResponse(
+            team_states=[_team_state(s) for s in states], next_page_token=token
+        )
+
     def GetPacingMode(
         self, request: _pb2.GetPacingModeRequest, context: grpc.ServicerContext
     ) -> _pb2.PacingMode:
@@ -211,7 +277,9 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
             self._service.replace_limits_table(
                 table.default_tokens_per_second,
                 [
-                    LimitSpec(x.name, x.tokens_per_second, x.tier, x.exempt, x.weight)
+                    LimitSpec(
+                        x.name, x.tokens_per_second, x.tier, x.exempt, x.weight, x.team
+                    )
                     for x in table.limits
                 ],
                 table.etag,
@@ -219,6 +287,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                     TierSpec(x.name, x.tokens_per_second, x.exempt, x.weight)
                     for x in table.tiers
                 ],
+                [TeamSpec(x.name, x.tokens_per_second, x.weight) for x in table.teams],
             )
         )
 
@@ -283,6 +352,7 @@ def _limit(limit: Limit) -> _pb2.Limit:
         exempt=limit.exempt,
         etag=limit.etag,
         weight=limit.weight,
+        team="" if limit.team is None else names.team_name(limit.team),
     )
 
 
@@ -294,6 +364,34 @@ def _tier(tier: Tier) -> _pb2.Tier:
         member_count=tier.member_count,
         etag=tier.etag,
         weight=tier.weight,
+    )
+
+
+def _team(team: Team) -> _pb2.Team:
+    return _pb2.Team(
+        name=team.name,
+        tokens_per_second=team.tokens_per_second,
+        weight=team.weight,
+        member_count=team.member_count,
+        etag=team.etag,
+    )
+
+
+def _team_state(state: TeamState) -> _pb2.TeamState:
+    return _pb2.TeamState(
+        name=names.team_state_name(state.team),
+        team=state.team,
+        tokens_per_second=state.tokens_per_second,
+        weight=state.weight,
+        budget_tokens=state.budget_tokens,
+        tat_lead=_duration(state.tat_lead_ns),
+        next_token_in=_duration(state.next_token_in_ns),
+        member_count=state.member_count,
+        running_members=state.running_members,
+        throttled_members=state.throttled_members,
+        tokens_charged=state.tokens_charged,
+        throttled_steps=state.throttled_steps,
+        fair_share_service=state.fair_share_service,
     )
 
 
@@ -313,6 +411,7 @@ def _table(table: LimitsTable) -> _pb2.LimitsTable:
         limits=[_limit(limit) for limit in table.limits],
         etag=table.etag,
         tiers=[_tier(tier) for tier in table.tiers],
+        teams=[_team(team) for team in table.teams],
     )
 
 

@@ -16,9 +16,14 @@ Format (YAML shown; JSON is the same tree)::
       user-b: free
       user-c: pro
     exempt_users: [ops-bot]        # unlimited, whatever their limit or tier
+    teams:                         # team id -> rate shared by its members
+      acme: {tokens_per_second: 600}
+    team_members:                  # user id -> team id
+      user-a: acme
     weights:                       # fair-share weights, as --output-rate-weights
       users: {user-d: 2}           # a user's own weight (no limit needed)
       tiers: {pro: 4}              # each member's without a weight of its own
+      teams: {acme: 2}             # the team's among teams
     etag: "..."
     store_version: "7/9f2c..."     # written by engines that share a store
 
@@ -35,10 +40,15 @@ Format (YAML shown; JSON is the same tree)::
   well-formed Unicode without control, format or separator characters).
 - ``memberships``: optional; user id -> the id of a tier in ``tiers``.
 - ``exempt_users``: optional; a list of user ids, each at most once.
-- ``weights``: optional; ``users`` (user id -> weight) and ``tiers`` (the id of
-  a tier in ``tiers`` -> weight), each weight a number in (0, 1000000]. A user
-  with a weight and nothing else has an entry (its weight) and no limit of its
-  own.
+- ``teams``: optional; each team has ``tokens_per_second`` (an integer in
+  1..1000000), the output rate all its members share (``pacing.teams``). Team
+  ids follow the user-id rule. At most ``MAX_TIERS``.
+- ``team_members``: optional; user id -> the id of a team in ``teams`` (a user
+  is a member of at most one team).
+- ``weights``: optional; ``users`` (user id -> weight), ``tiers`` (the id of
+  a tier in ``tiers`` -> weight) and ``teams`` (the id of a team in ``teams``
+  -> weight), each weight a number in (0, 1000000]. A user with a weight and
+  nothing else has an entry (its weight) and no limit of its own.
 - ``etag``: optional; written by ``output-rate-ctl export`` so that ``import``
   fails when the table changed in between. The config file ignores it.
 - ``store_version``: optional; with ``--output-rate-store``, the engine writes
@@ -49,11 +59,12 @@ Format (YAML shown; JSON is the same tree)::
 
 Which limit applies to a user is ``pacing.limits``' rule: own exemption, own
 limit, exempt tier, tier rate, default. At most ``MAX_EXPLICIT_LIMITS`` users
-may appear in ``users``, ``memberships``, ``exempt_users`` and the users'
-weights together.
+may appear in ``users``, ``memberships``, ``exempt_users``, ``team_members``
+and the users' weights together.
 
 Anything else (unknown keys, fractional or boolean rates, duplicate keys, a
-membership of a tier not in ``tiers``) is an error naming the offending field.
+membership of a tier not in ``tiers`` or of a team not in ``teams``) is an
+error naming the offending field.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ from pacing.modes import Mode, parse_mode
 from pacing.table_caps import MAX_EXPLICIT_LIMITS as MAX_EXPLICIT_LIMITS
 from pacing.table_caps import MAX_TIERS as MAX_TIERS
 from pacing.table_caps import validate_tier_count, validate_user_count
+from pacing.teams import TeamTable
 
 MODE_KEY = "mode"
 FAIR_SHARE_KEY = "fair_share"
@@ -83,12 +95,15 @@ TIERS_KEY = "tiers"
 USERS_KEY = "users"
 MEMBERSHIPS_KEY = "memberships"
 EXEMPT_USERS_KEY = "exempt_users"
+TEAMS_KEY = "teams"
+TEAM_MEMBERS_KEY = "team_members"
 ETAG_KEY = "etag"
 STORE_VERSION_KEY = "store_version"
 WEIGHTS_KEY = "weights"
 #: Keys of the weights object.
 WEIGHT_USERS_KEY = "users"
 WEIGHT_TIERS_KEY = "tiers"
+WEIGHT_TEAMS_KEY = "teams"
 #: Keys of one tier's object.
 RATE_KEY = "tokens_per_second"
 EXEMPT_KEY = "exempt"
@@ -100,7 +115,8 @@ Format = Literal["json", "yaml"]
 class TableDocument:
     """A validated table document; ``default_rate``, ``mode`` and
     ``fair_share`` are ``None`` when absent. Every membership and every tier
-    weight names a tier of ``tier_rates`` or ``exempt_tiers``."""
+    weight names a tier of ``tier_rates`` or ``exempt_tiers``; every team
+    membership and team weight a team of ``team_rates``."""
 
     default_rate: int | None = None
     user_rates: Mapping[str, int] = field(default_factory=dict)
@@ -113,6 +129,10 @@ class TableDocument:
     user_weights: Mapping[str, float] = field(default_factory=dict)
     tier_weights: Mapping[str, float] = field(default_factory=dict)
     fair_share: bool | None = None
+    #: Teams (``pacing.teams``): team -> tokens/s, user -> team, team -> weight.
+    team_rates: Mapping[str, int] = field(default_factory=dict)
+    team_members: Mapping[str, str] = field(default_factory=dict)
+    team_weights: Mapping[str, float] = field(default_factory=dict)
     #: The store version this table was saved at (a store's engines only).
     store_version: LimitsVersion | None = None
 
@@ -122,17 +142,20 @@ class TableDocument:
         return set(self.tier_rates) | set(self.exempt_tiers)
 
     def users(self) -> set[str]:
-        """Every user with an entry: a limit, a tier, an exemption or a weight."""
+        """Every user with an entry: a limit, a tier, an exemption, a team or
+        a weight."""
         return (
             set(self.user_rates)
             | set(self.memberships)
             | set(self.exempt_users)
             | set(self.user_weights)
+            | set(self.team_members)
         )
 
     def same_table(self, other: TableDocument) -> bool:
-        """Whether ``other`` holds the same default, entries and tiers, weights
-        included (the etag, the mode and the fair-share switch aside)."""
+        """Whether ``other`` holds the same default, entries, tiers and
+        teams, weights included (the etag, the mode and the fair-share switch
+        aside)."""
         return self._table_fields() == other._table_fields()
 
     def _table_fields(self) -> tuple[Any, ...]:
@@ -145,6 +168,9 @@ class TableDocument:
             frozenset(self.exempt_users),
             dict(self.user_weights),
             dict(self.tier_weights),
+            dict(self.team_rates),
+            dict(self.team_members),
+            dict(self.team_weights),
         )
 
     def share_policy(self, enabled: bool) -> SharePolicy:
@@ -153,6 +179,7 @@ class TableDocument:
             enabled if self.fair_share is None else self.fair_share,
             self.user_weights,
             self.tier_weights,
+            self.team_weights,
         )
 
     def limit_table(self) -> LimitTable:
@@ -165,6 +192,10 @@ class TableDocument:
             self.exempt_users,
             self.exempt_tiers,
         )
+
+    def team_table(self) -> TeamTable:
+        """The pure core's team table of these teams and memberships."""
+        return TeamTable(self.team_rates, self.team_members)
 
 
 def check_user(value: object, *, field: str) -> str:
@@ -196,6 +227,12 @@ def check_rate(value: object, *, field: str) -> int:
 
 def check_tier(value: object, *, field: str) -> str:
     """Returns ``value`` if it is a valid tier id (the user-id rule), else
+    raises InvalidArgument."""
+    return check_user(value, field=field)
+
+
+def check_team(value: object, *, field: str) -> str:
+    """Returns ``value`` if it is a valid team id (the user-id rule), else
     raises InvalidArgument."""
     return check_user(value, field=field)
 
@@ -279,11 +316,26 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         if tier not in tiers:
             raise InvalidArgument(f"{where}: tier {shown(tier)} is not in {TIERS_KEY}")
     exempt_users = _parse_exempt_users(doc.get(EXEMPT_USERS_KEY) or [], source)
-    user_weights, tier_weights = _parse_weights(
-        doc.get(WEIGHTS_KEY) or {}, tiers, source
+    team_rates = _parse_teams(doc.get(TEAMS_KEY) or {}, source)
+    team_members: dict[str, str] = {}
+    teams = _mapping(doc, TEAM_MEMBERS_KEY, "user ids to teams", source)
+    for user, team in teams.items():
+        where = f"{source}: {TEAM_MEMBERS_KEY}[{shown(user)}]"
+        user = check_user(user, field=f"{source}: user id {shown(user)}")
+        team_members[user] = check_team(team, field=where)
+        if team not in team_rates:
+            raise InvalidArgument(f"{where}: team {shown(team)} is not in {TEAMS_KEY}")
+    user_weights, tier_weights, team_weights = _parse_weights(
+        doc.get(WEIGHTS_KEY) or {}, tiers, team_rates.keys(), source
     )
     check_table_size(
-        len(rates.keys() | memberships.keys() | exempt_users | user_weights.keys())
+        len(
+            rates.keys()
+            | memberships.keys()
+            | exempt_users
+            | user_weights.keys()
+            | team_members.keys()
+        )
     )
     etag = doc.get(ETAG_KEY)
     if etag is not None and not isinstance(etag, str):
@@ -301,6 +353,9 @@ def parse_document(doc: object, *, source: str) -> TableDocument:
         user_weights=user_weights,
         tier_weights=tier_weights,
         fair_share=fair_share,
+        team_rates=team_rates,
+        team_members=team_members,
+        team_weights=team_weights,
         store_version=store_version,
     )
 
@@ -375,18 +430,45 @@ def _parse_tiers(tree: object, source: str) -> tuple[dict[str, int], frozenset[s
     return rates, frozenset(exempt)
 
 
-def _parse_weights(
-    tree: object, tiers: Set[str], source: str
-) -> tuple[dict[str, float], dict[str, float]]:
-    """(user weights, tier weights) of the ``weights`` object; each tier one of
-    ``tiers``."""
+def _parse_teams(tree: object, source: str) -> dict[str, int]:
+    """Team -> rate of the ``teams`` object."""
     if not isinstance(tree, Mapping):
         raise InvalidArgument(
-            f"{source}: {WEIGHTS_KEY} must be an object with {WEIGHT_USERS_KEY!r} "
-            f"and/or {WEIGHT_TIERS_KEY!r}, got {type(tree).__name__}"
+            f"{source}: {TEAMS_KEY} must be an object mapping team ids to "
+            f"{{{RATE_KEY}}}, got {type(tree).__name__}"
+        )
+    check_tier_count(len(tree))
+    rates: dict[str, int] = {}
+    for team, spec in tree.items():
+        where = f"{source}: {TEAMS_KEY}[{shown(team)}]"
+        team = check_team(team, field=f"{source}: team id {shown(team)}")
+        if not isinstance(spec, Mapping):
+            raise InvalidArgument(
+                f"{where} must be an object with {RATE_KEY!r}, "
+                f"got {type(spec).__name__}"
+            )
+        _check_keys(spec, (RATE_KEY,), where)
+        if RATE_KEY not in spec:
+            raise InvalidArgument(f"{where} needs {RATE_KEY}")
+        rates[team] = check_rate(spec[RATE_KEY], field=f"{where}.{RATE_KEY}")
+    return rates
+
+
+def _parse_weights(
+    tree: object, tiers: Set[str], teams: Set[str], source: str
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(user weights, tier weights, team weights) of the ``weights`` object;
+    each tier one of ``tiers``, each team one of ``teams``."""
+    if not isinstance(tree, Mapping):
+        raise InvalidArgument(
+            f"{source}: {WEIGHTS_KEY} must be an object with {WEIGHT_USERS_KEY!r}, "
+            f"{WEIGHT_TIERS_KEY!r} and/or {WEIGHT_TEAMS_KEY!r}, "
+            f"got {type(tree).__name__}"
         )
     where = f"{source}: {WEIGHTS_KEY}"
-    _check_keys(tree, (WEIGHT_USERS_KEY, WEIGHT_TIERS_KEY), f"{where}:")
+    _check_keys(
+        tree, (WEIGHT_USERS_KEY, WEIGHT_TIERS_KEY, WEIGHT_TEAMS_KEY), f"{where}:"
+    )
     users = _mapping(tree, WEIGHT_USERS_KEY, "user ids to weights", where)
     user_weights = {
         check_user(user, field=f"{where}: user id {shown(user)}"): _weight(
@@ -402,7 +484,15 @@ def _parse_weights(
         if tier not in tiers:
             raise InvalidArgument(f"{field_}: tier {shown(tier)} is not in {TIERS_KEY}")
         tier_weights[tier] = _weight(weight, field_)
-    return user_weights, tier_weights
+    team_weights: dict[str, float] = {}
+    for team, weight in _mapping(
+        tree, WEIGHT_TEAMS_KEY, "team ids to weights", where
+    ).items():
+        field_ = f"{where}.{WEIGHT_TEAMS_KEY}[{shown(team)}]"
+        if team not in teams:
+            raise InvalidArgument(f"{field_}: team {shown(team)} is not in {TEAMS_KEY}")
+        team_weights[team] = _weight(weight, field_)
+    return user_weights, tier_weights, team_weights
 
 
 def _weight(value: object, field: str) -> float:
@@ -445,8 +535,9 @@ def loads(text: str, fmt: Format, *, source: str) -> TableDocument:
 
 
 def dumps(doc: TableDocument, fmt: Format) -> str:
-    """Encodes ``doc`` in ``fmt``, users and tiers sorted by id, ``mode``,
-    the default, ``etag`` and ``store_version`` only when set."""
+    """Encodes ``doc`` in ``fmt``, users, tiers and teams sorted by id,
+    ``mode``, the default, ``etag`` and ``store_version`` only when set, the
+    teams' keys only when there is a team."""
     tree: dict[str, Any] = {}
     if doc.mode is not None:
         tree[MODE_KEY] = doc.mode.value
@@ -466,10 +557,17 @@ def dumps(doc: TableDocument, fmt: Format) -> str:
     tree[USERS_KEY] = dict(sorted(doc.user_rates.items()))
     tree[MEMBERSHIPS_KEY] = dict(sorted(doc.memberships.items()))
     tree[EXEMPT_USERS_KEY] = sorted(doc.exempt_users)
+    if doc.team_rates:
+        tree[TEAMS_KEY] = {
+            team: {RATE_KEY: rate} for team, rate in sorted(doc.team_rates.items())
+        }
+        tree[TEAM_MEMBERS_KEY] = dict(sorted(doc.team_members.items()))
     tree[WEIGHTS_KEY] = {
         WEIGHT_USERS_KEY: dict(sorted(doc.user_weights.items())),
         WEIGHT_TIERS_KEY: dict(sorted(doc.tier_weights.items())),
     }
+    if doc.team_weights:
+        tree[WEIGHTS_KEY][WEIGHT_TEAMS_KEY] = dict(sorted(doc.team_weights.items()))
     if doc.etag is not None:
         tree[ETAG_KEY] = doc.etag
     if doc.store_version is not None:
@@ -499,6 +597,8 @@ _KEYS = (
     USERS_KEY,
     MEMBERSHIPS_KEY,
     EXEMPT_USERS_KEY,
+    TEAMS_KEY,
+    TEAM_MEMBERS_KEY,
     WEIGHTS_KEY,
     ETAG_KEY,
     STORE_VERSION_KEY,

@@ -20,7 +20,8 @@ Two vLLM details shape this module:
 The store's families (``vllm:output_rate_store_*``, with a global store only)
 and the fair-share gauges carry an ``engine`` label, as vLLM's own per-engine
 metrics do: with data parallelism every rank is a store client of its own and
-keeps a fair-share ledger of its own.
+keeps a fair-share ledger of its own. So do the gauges of a team's members
+with live requests: each rank holds requests of its own.
 
 With several API processes (``--api-server-count``) vLLM serves ``/metrics`` from
 prometheus_client's multiprocess files; the metric objects here write to those
@@ -50,6 +51,7 @@ from engine_ext.payload_parser import (
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     DEFAULT_LIMIT_USER,
+    OTHER_TEAM,
     OTHER_TIER,
     OTHER_USER,
     RELOAD_RESULTS,
@@ -117,6 +119,19 @@ FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_fair_share_preemptions_total"
 TIER_FAIR_SHARE_SERVICE = "vllm:output_rate_tier_fair_share_service_total"
 TIER_FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_tier_fair_share_preemptions_total"
 FAIR_SHARE_ENABLED = "vllm:output_rate_fair_share_enabled"
+TEAM_TOKENS_CHARGED = "vllm:output_rate_team_tokens_charged_total"
+TEAM_THROTTLED_SKIPS = "vllm:output_rate_team_throttled_skips_total"
+TEAM_REFUNDS = "vllm:output_rate_team_refunds_total"
+TEAM_THROTTLED_PREEMPTIONS = "vllm:output_rate_team_throttled_preemptions_total"
+TEAM_SHADOW_SKIPS = "vllm:output_rate_team_shadow_skips_total"
+TEAM_ENGINE_LATE_SECONDS = "vllm:output_rate_team_engine_late_seconds_total"
+TEAM_FAIR_SHARE_SERVICE = "vllm:output_rate_team_fair_share_service_total"
+TEAM_FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_team_fair_share_preemptions_total"
+TEAM_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_team_limit_tokens_per_second"
+TEAM_MEMBERS_STREAMING = "vllm:output_rate_team_members_streaming"
+TEAM_THROTTLED_MEMBERS = "vllm:output_rate_team_throttled_members"
+TEAM_MEMBER_ACTIVE_SECONDS = "vllm:output_rate_team_member_active_seconds_total"
+TEAM_MEMBER_THROTTLED_SECONDS = "vllm:output_rate_team_member_throttled_seconds_total"
 FAIR_SHARE_SERVICE_GAP = "vllm:output_rate_fair_share_service_gap"
 
 #: Payload counter field -> exported counter name.
@@ -141,6 +156,17 @@ TIER_COUNTERS = {
     "fair_share_service": TIER_FAIR_SHARE_SERVICE,
     "fair_share_preemptions": TIER_FAIR_SHARE_PREEMPTIONS,
 }
+#: Payload counter field -> exported per-team counter name.
+TEAM_COUNTERS = {
+    "charged": TEAM_TOKENS_CHARGED,
+    "throttled_skips": TEAM_THROTTLED_SKIPS,
+    "refunds": TEAM_REFUNDS,
+    "throttled_preemptions": TEAM_THROTTLED_PREEMPTIONS,
+    "shadow_skips": TEAM_SHADOW_SKIPS,
+    "engine_late_ns": TEAM_ENGINE_LATE_SECONDS,
+    "fair_share_service": TEAM_FAIR_SHARE_SERVICE,
+    "fair_share_preemptions": TEAM_FAIR_SHARE_PREEMPTIONS,
+}
 #: What one unit of a payload counter field is in its exported counter's unit
 #: (fields not listed: 1).
 COUNTER_UNITS = {"engine_late_ns": 1e-9}
@@ -152,6 +178,7 @@ STORE_TOKEN_COUNTERS = {
 }
 assert set(USER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
 assert set(TIER_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
+assert set(TEAM_COUNTERS) == set(COUNTER_FIELDS), "payload and metrics disagree"
 
 _DOCS = {
     TOKENS_CHARGED: "Output tokens charged to a user's budget (a sampling step "
@@ -213,6 +240,32 @@ _DOCS = {
     TIER_FAIR_SHARE_SERVICE: "Weighted service the members of a tier received "
     "under fair share, summed over them.",
     TIER_FAIR_SHARE_PREEMPTIONS: "Fair-share preemptions of the members of a tier.",
+    TEAM_TOKENS_CHARGED: "Output tokens charged to the members of a team, "
+    "exempt members included (their tokens count against no team's limit).",
+    TEAM_THROTTLED_SKIPS: "Throttled skips of the members of a team (for lack "
+    "of their own budget or the team's).",
+    TEAM_REFUNDS: "Refunds to the members of a team.",
+    TEAM_THROTTLED_PREEMPTIONS: "Throttled preemptions of the members of a team.",
+    TEAM_SHADOW_SKIPS: "Shadow skips (what enforce would have throttled) of the "
+    "members of a team.",
+    TEAM_ENGINE_LATE_SECONDS: "Engine-late time of the members of a team, "
+    "summed over them.",
+    TEAM_FAIR_SHARE_SERVICE: "Weighted service the members of a team received "
+    "under fair share, summed over them.",
+    TEAM_FAIR_SHARE_PREEMPTIONS: "Fair-share preemptions of the members of a team.",
+    TEAM_LIMIT_TOKENS_PER_SECOND: "Output-token limit a team's members share, in "
+    "tokens per second.",
+    TEAM_MEMBERS_STREAMING: "Members of a team with live requests on the engine, "
+    "at its latest payload.",
+    TEAM_THROTTLED_MEMBERS: "Members of a team with live requests and a request "
+    "parked for lack of budget (their own or the team's) at the engine's last "
+    "step.",
+    TEAM_MEMBER_ACTIVE_SECONDS: "Member-seconds a team's members had live "
+    "requests: the members-streaming gauge integrated over time (sampled at "
+    "each payload, at most 100 ms apart while requests run).",
+    TEAM_MEMBER_THROTTLED_SECONDS: "Member-seconds a team's members with live "
+    "requests were throttled: the throttled-members gauge integrated over time. "
+    "Over the active seconds, the share of members' time throttled.",
     FAIR_SHARE_ENABLED: "1 while weighted fair share orders the engine's "
     "admissions, else 0.",
     FAIR_SHARE_SERVICE_GAP: "Largest difference in weighted service between two "
@@ -299,6 +352,20 @@ class OutputRateMetrics:
             for field, name in TIER_COUNTERS.items()
         }
         self._tier_limits = _gauge(TIER_LIMIT_TOKENS_PER_SECOND, tier)
+        team = ["model_name", "team"]
+        self._team_counters = {
+            field: Counter(name, _DOCS[name], team, registry=None)
+            for field, name in TEAM_COUNTERS.items()
+        }
+        #: The member-seconds counters: [active, throttled], as carried.
+        self._team_member_seconds = tuple(
+            Counter(name, _DOCS[name], team, registry=None)
+            for name in (TEAM_MEMBER_ACTIVE_SECONDS, TEAM_MEMBER_THROTTLED_SECONDS)
+        )
+        self._team_limits = _gauge(TEAM_LIMIT_TOKENS_PER_SECOND, team)
+        team_engine = ["model_name", "team", "engine"]
+        self._team_streaming = _gauge(TEAM_MEMBERS_STREAMING, team_engine)
+        self._team_throttled = _gauge(TEAM_THROTTLED_MEMBERS, team_engine)
         engine = ["model_name", "engine"]
         self._store_round_trips = Counter(
             STORE_ROUND_TRIPS,
@@ -325,6 +392,10 @@ class OutputRateMetrics:
         self._limit_values: dict[str, int] = {}
         self._labelled_tiers: set[str] = set()
         self._tier_limit_values: dict[str, int] = {}
+        self._labelled_teams: set[str] = set()
+        self._team_limit_values: dict[str, int] = {}
+        #: (team label, engine) of the team member gauges set.
+        self._team_gauge_labels: set[tuple[str, str]] = set()
         self._definitions: tuple[Counter | Gauge | Histogram, ...] = (
             *self._counters.values(),
             self._idle_wait,
@@ -337,6 +408,11 @@ class OutputRateMetrics:
             self._mode,
             *self._tier_counters.values(),
             self._tier_limits,
+            *self._team_counters.values(),
+            *self._team_member_seconds,
+            self._team_limits,
+            self._team_streaming,
+            self._team_throttled,
             self._store_round_trips,
             self._store_latency,
             *self._store_tokens.values(),
@@ -395,6 +471,7 @@ class OutputRateMetrics:
         for mode in Mode:
             self._mode.labels(model, mode.value).set(int(mode is payload.mode))
         self._apply_tiers(payload)
+        self._apply_teams(payload, str(engine))
         if payload.store is not None:
             self._apply_store(payload.store, str(engine))
         if payload.fair_share is not None:
@@ -464,6 +541,49 @@ class OutputRateMetrics:
             for tier, rate in limits.items():
                 self._tier_limits.labels(model, tier).set(rate)
             self._tier_limit_values = limits
+
+    def _apply_teams(self, payload: Payload, engine: str) -> None:
+        """Per-team counters and limits as the tiers' (``_apply_tiers``); the
+        member gauges of ``engine`` for exactly the team labels it sent."""
+        model = self._model
+        counters = (*self._team_counters.values(), *self._team_member_seconds)
+        labelled = set(payload.teams)
+        if labelled != self._labelled_teams:
+            if not self._labelled_teams:  # at zero before its first increase
+                for counter in counters:
+                    counter.labels(model, OTHER_TEAM)
+            for team in self._labelled_teams - labelled:
+                for counter in counters:
+                    counter.remove(model, team)
+            for team in labelled - self._labelled_teams:
+                for counter in counters:
+                    counter.labels(model, team)
+            self._labelled_teams = labelled
+        for team, row in payload.team_counters.items():
+            for field, delta in row.items():
+                if delta:
+                    self._team_counters[field].labels(model, team).inc(
+                        delta * COUNTER_UNITS.get(field, 1)
+                    )
+        for team, pair in payload.team_member_ns.items():
+            for counter, delta_ns in zip(self._team_member_seconds, pair, strict=True):
+                counter.labels(model, team).inc(delta_ns / 1e9)
+        if payload.teams != self._team_limit_values:
+            for team in set(self._team_limit_values) - set(payload.teams):
+                self._team_limits.remove(model, team)
+            for team, rate in payload.teams.items():
+                self._team_limits.labels(model, team).set(rate)
+            self._team_limit_values = dict(payload.teams)
+        gauges = {(team, engine) for team in payload.team_members}
+        for team, other_engine in self._team_gauge_labels - gauges:
+            if other_engine == engine:
+                self._team_streaming.remove(model, team, engine)
+                self._team_throttled.remove(model, team, engine)
+                self._team_gauge_labels.discard((team, engine))
+        for team, (streaming, throttled) in payload.team_members.items():
+            self._team_streaming.labels(model, team, engine).set(streaming)
+            self._team_throttled.labels(model, team, engine).set(throttled)
+        self._team_gauge_labels |= gauges
 
     def _start(self) -> None:
         """Creates the series every alert and panel relies on, at zero: a counter

@@ -7,17 +7,18 @@ Invariant: the payload is plain data that encodes as strict UTF-8 and that
 ``engine_ext.payload_parser.parse`` accepts; its counters are deltas since the
 previous build, so the deltas of all payloads add up to the accounting's totals.
 
-Cost: one build is O(labelled users) without tiers; with tiers it also reads the
-counters of every user the accounting holds (those with live requests or recent
-events), once: O(users). The fair-share gap is O(users backlogged at the last
-step).
+Cost: one build is O(labelled users) without tiers or teams; with either it
+also reads the counters of every user the accounting holds (those with live
+requests or recent events), once for both: O(users). With teams it also looks
+up the team of each user with live requests: O(live users). The fair-share gap
+is O(users backlogged at the last step).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from engine_ext.stats_payload import (
     GRPC_CODES,
     MAX_LABELLED_TIERS,
     OTHER_METHOD,
+    OTHER_TEAM,
     OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
@@ -41,6 +43,7 @@ from pacing.modes import Mode
 from pacing.settings.model import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
 from pacing.store_stats import StoreStats
+from pacing.teams import TeamTable
 
 if TYPE_CHECKING:
     from vllm.v1.metrics.stats import SchedulerStats
@@ -57,6 +60,22 @@ _RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
 #: A user's counters as a tuple in ``COUNTER_FIELDS`` order (one C call).
 _counter_values = attrgetter(*COUNTER_FIELDS)
 _ZEROS: tuple[float, ...] = (0,) * len(COUNTER_FIELDS)
+#: A group's counter rows being summed: label -> (its members' counter values
+#: now, and at the previous build).
+_Sums = dict[str, tuple[list[tuple[float, ...]], list[tuple[float, ...]]]]
+
+
+@dataclass(frozen=True)
+class TeamActivity:
+    """What a build reads of the teams (under the shared limiter's lock)."""
+
+    table: TeamTable
+    #: Users with live requests.
+    live: Collection[str]
+    #: Users with a request parked for lack of budget at the last step's start.
+    throttled: Collection[str]
+    #: The scheduler's clock now (monotonic ns).
+    now_ns: int
 
 
 class _Labels:
@@ -104,11 +123,17 @@ class PayloadBuilder:
     ) -> None:
         self._users = _Labels(max_labelled_users)
         self._tiers = _Labels(max_labelled_tiers)
+        # Teams are the operator's like users with limits: the same cap.
+        self._teams = _Labels(max_labelled_users)
         self._last: dict[str, UserCounters] = {}
         self._last_total = UserCounters()
         #: user -> (its counters object, their values) at the previous build,
-        #: for every user the accounting held; None while no tier exists.
-        self._tier_seen: dict[str, tuple[UserCounters, tuple[float, ...]]] | None = None
+        #: for every user the accounting held; None while no tier or team exists.
+        self._seen: dict[str, tuple[UserCounters, tuple[float, ...]]] | None = None
+        #: team label -> (members with live requests, throttled ones) at the
+        #: previous build, and that build's time; empty and None without teams.
+        self._members: dict[str, list[int]] = {}
+        self._members_at_ns: int | None = None
         self._last_control = ControlPlaneSnapshot()
         self._idle_waits: list[float] = []
         #: The store stats reported last and a copy of their values then.
@@ -144,6 +169,7 @@ class PayloadBuilder:
         limiter: OutputRateLimiter | None = None,
         store: StoreStats | None = None,
         fair_share: FairShare | None = None,
+        teams: TeamActivity | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
@@ -151,7 +177,8 @@ class PayloadBuilder:
         ``limiter`` (whose table says the tiers and their members) the tiers'
         limits and counter deltas, with ``store`` (read under the lock its
         recorder holds) the store's part, and with ``fair_share`` (read under
-        the shared limiter's lock) its switch and service gap.
+        the shared limiter's lock) its switch and service gap, and with
+        ``teams`` the teams' limits, counter deltas and members.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
@@ -189,7 +216,17 @@ class PayloadBuilder:
         if row := _nonzero(other):
             users[OTHER_USER] = row
 
-        tiers, tier_counters = self._tier_part(accounting, limiter, first)
+        tiers, tier_of = self._tier_labels(limiter)
+        team_rates, team_of = self._team_labels(teams)
+        tier_counters, team_counters = self._group_counters(
+            accounting,
+            (
+                (tier_of, self._tiers.names, OTHER_TIER),
+                (team_of, team_rates, OTHER_TEAM),
+            ),
+            first,
+        )
+        team_members, team_member_ns = self._member_part(teams, team_rates)
 
         # No snapshot means no control-plane news (not a reset to zero).
         control = self._last_control if control is None else _normalized(control)
@@ -216,6 +253,10 @@ class PayloadBuilder:
             "mode": mode.value,
             "tiers": tiers,
             "tier_counters": tier_counters,
+            "teams": team_rates,
+            "team_counters": team_counters,
+            "team_members": team_members,
+            "team_member_ns": team_member_ns,
             "store": None if store is None else self._store_part(store),
             "fair_share": None
             if fair_share is None
@@ -257,12 +298,11 @@ class PayloadBuilder:
             "live_engines": int(now.live_engines),
         }
 
-    def _tier_part(
-        self, accounting: Accounting, limiter: OutputRateLimiter | None, first: bool
-    ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
-        """The labelled tiers' limits (0: exempt) and every tier label's counter
-        deltas: each user's events since the previous build go to the tier it
-        is a member of now."""
+    def _tier_labels(
+        self, limiter: OutputRateLimiter | None
+    ) -> tuple[dict[str, int], Callable[[str], str | None] | None]:
+        """The labelled tiers' limits (0: exempt), and the tier of a user while
+        any tier exists."""
         rates = {} if limiter is None else limiter.tier_rates
         exempt = frozenset() if limiter is None else limiter.exempt_tiers
         self._tiers.update(rates.keys() | exempt)
@@ -270,19 +310,48 @@ class PayloadBuilder:
             tier: 0 if tier in exempt else rates[tier] for tier in self._tiers.names
         }
         if limiter is None or not (rates or exempt):
-            self._tier_seen = None  # no tier: nothing to count, nothing to keep
-            return tiers, {}
-        # While tiers were absent nobody was tracked: the events before this
-        # build are nobody's tier events (except at the first build, which
+            return tiers, None
+        return tiers, limiter.memberships.get
+
+    def _team_labels(
+        self, teams: TeamActivity | None
+    ) -> tuple[dict[str, int], Callable[[str], str | None] | None]:
+        """The labelled teams' limits, and the team of a user while any team
+        exists."""
+        rates = {} if teams is None else teams.table.rates
+        self._teams.update(rates)
+        labelled = {team: rates[team] for team in self._teams.names}
+        if teams is None or not rates:
+            return labelled, None
+        return labelled, teams.table.team_of
+
+    def _group_counters(
+        self,
+        accounting: Accounting,
+        groups: tuple[
+            tuple[Callable[[str], str | None] | None, Collection[str], str], ...
+        ],
+        first: bool,
+    ) -> list[dict[str, dict[str, float]]]:
+        """For each group (the group of a user, or None while the kind has none;
+        the labelled groups; the catch-all label): every label's counter deltas,
+        each user's events since the previous build going to the group it is a
+        member of now. One pass over the accounting for all groups."""
+        active = [
+            (group_of, labelled, other)
+            for group_of, labelled, other in groups
+            if group_of is not None
+        ]
+        if not active:
+            self._seen = None  # no group: nothing to count, nothing to keep
+            return [{} for _ in groups]
+        # While no group existed nobody was tracked: the events before this
+        # build are nobody's group events (except at the first build, which
         # reports everything since start-up).
-        count_new = first or self._tier_seen is not None
-        previous = self._tier_seen or {}
-        memberships = limiter.memberships
-        labelled = self._tiers.names
+        count_new = first or self._seen is not None
+        previous = self._seen or {}
         seen: dict[str, tuple[UserCounters, tuple[float, ...]]] = {}
-        # label -> the counter values of its members now, and at the last build
-        nows: dict[str, list[tuple[float, ...]]] = {}
-        thens: dict[str, list[tuple[float, ...]]] = {}
+        sums: list[_Sums] = [{} for _ in active]
         for user, counters in accounting.by_user().items():
             values: tuple[float, ...] = _counter_values(counters)
             seen[user] = (counters, values)
@@ -297,29 +366,49 @@ class PayloadBuilder:
                 base = before[1]
                 if values == base:
                     continue
-            tier = memberships.get(user)
-            if tier is None:
+            for (group_of, labelled, other), rows in zip(active, sums, strict=True):
+                group = group_of(user)
+                if group is None:
+                    continue
+                label = group if group in labelled else other
+                entry = rows.get(label)
+                if entry is None:
+                    entry = rows[label] = ([], [])
+                entry[0].append(values)
+                entry[1].append(base)
+        self._seen = seen
+        summed = iter([_column_deltas(rows) for rows in sums])
+        return [{} if group_of is None else next(summed) for group_of, _, _ in groups]
+
+    def _member_part(
+        self, teams: TeamActivity | None, labelled: Collection[str]
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """Per team label while any team exists: [members with live requests,
+        those of them throttled] now (every labelled team and ``OTHER_TEAM``),
+        and the member-ns deltas [active, throttled]: the time since the
+        previous build times the counts that build saw."""
+        if teams is None or not teams.table:
+            self._members, self._members_at_ns = {}, None
+            return {}, {}
+        counts = {label: [0, 0] for label in (*labelled, OTHER_TEAM)}
+        team_of, throttled = teams.table.team_of, teams.throttled
+        for user in teams.live:
+            team = team_of(user)
+            if team is None:
                 continue
-            label = tier if tier in labelled else OTHER_TIER
-            nows.setdefault(label, []).append(values)
-            thens.setdefault(label, []).append(base)
-        self._tier_seen = seen
-        counters_by_tier: dict[str, dict[str, float]] = {}
-        for label, values_now in nows.items():
-            # Column sums in C rather than a Python loop per user and field.
-            columns_now = zip(*values_now, strict=True)
-            columns_then = zip(*thens[label], strict=True)
-            # Never negative, floats too: each member's values are at least
-            # its base, and rounded sums are monotone.
-            row = {
-                name: sum(now) - sum(then)
-                for name, now, then in zip(
-                    COUNTER_FIELDS, columns_now, columns_then, strict=True
-                )
-            }
-            if row := {name: delta for name, delta in row.items() if delta}:
-                counters_by_tier[label] = row
-        return tiers, counters_by_tier
+            row = counts[team if team in labelled else OTHER_TEAM]
+            row[0] += 1
+            if user in throttled:
+                row[1] += 1
+        member_ns: dict[str, list[int]] = {}
+        if self._members_at_ns is not None:
+            elapsed = max(0, teams.now_ns - self._members_at_ns)
+            for label, (streaming, held) in self._members.items():
+                # A team removed since leaves its last interval uncounted.
+                if elapsed and streaming and label in counts:
+                    member_ns[label] = [streaming * elapsed, held * elapsed]
+        self._members, self._members_at_ns = counts, teams.now_ns
+        return counts, member_ns
 
 
 def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:
@@ -331,6 +420,26 @@ def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:
 
 
 # -- helpers --------------------------------------------------------------------
+
+
+def _column_deltas(rows: _Sums) -> dict[str, dict[str, float]]:
+    """label -> its non-zero counter deltas: members' values now minus then."""
+    deltas: dict[str, dict[str, float]] = {}
+    for label, (values_now, values_then) in rows.items():
+        # Column sums in C rather than a Python loop per user and field.
+        columns_now = zip(*values_now, strict=True)
+        columns_then = zip(*values_then, strict=True)
+        # Never negative, floats too: each member's values are at least its
+        # base, and rounded sums are monotone.
+        row = {
+            name: sum(now) - sum(then)
+            for name, now, then in zip(
+                COUNTER_FIELDS, columns_now, columns_then, strict=True
+            )
+        }
+        if row := {name: delta for name, delta in row.items() if delta}:
+            deltas[label] = row
+    return deltas
 
 
 def _copy(counters: UserCounters) -> UserCounters:

@@ -5,9 +5,11 @@ validates it into a ``Payload`` (pure: no vLLM at run time, no Prometheus).
 Invariant: ``parse`` accepts every payload ``engine_ext.payload_builder`` builds
 (after a msgpack round trip) and raises ``PayloadError``, naming the first
 offending field, on a malformed one. A counter row's label is one the same
-payload declares (a labelled user or tier) or the catch-all (``OTHER_USER``,
-``OTHER_TIER``), its counter names are ``COUNTER_FIELDS``, and its values are
-non-negative: whole numbers, finite numbers for ``FLOAT_COUNTER_FIELDS``.
+payload declares (a labelled user, tier or team) or the catch-all
+(``OTHER_USER``, ``OTHER_TIER``, ``OTHER_TEAM``), its counter names are
+``COUNTER_FIELDS``, and its values are non-negative: whole numbers, finite
+numbers for ``FLOAT_COUNTER_FIELDS``. A team's throttled members (and member
+time) never exceed its streaming ones.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine_ext.stats_payload import (
     COUNTER_FIELDS,
     FLOAT_COUNTER_FIELDS,
     GRPC_CODES,
+    OTHER_TEAM,
     OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
@@ -64,6 +67,16 @@ class Payload:
     tiers: Mapping[str, int]
     #: tier label -> {counter field -> delta}; only non-zero deltas.
     tier_counters: Mapping[str, Mapping[str, float]]
+    #: label -> tokens/s shared by the members of every labelled team (the
+    #: complete labelled set).
+    teams: Mapping[str, int]
+    #: team label -> {counter field -> delta}; only non-zero deltas.
+    team_counters: Mapping[str, Mapping[str, float]]
+    #: team label -> (members with live requests, those of them throttled) at
+    #: this engine now: every label with a team series while any team exists.
+    team_members: Mapping[str, tuple[int, int]]
+    #: team label -> (member-ns streaming, member-ns throttled) deltas.
+    team_member_ns: Mapping[str, tuple[int, int]]
     #: The store's part; ``None`` without a store.
     store: StorePart | None
     #: This engine's fair share; ``None`` when the engine sent none.
@@ -156,6 +169,15 @@ def parse(raw: object) -> Payload:
     tier_counters = _counter_rows(
         raw.get("tier_counters"), "tier_counters", set(tiers) | {OTHER_TIER}, OTHER_TIER
     )
+    teams = _str_int_map(raw.get("teams"), "teams")
+    team_labels = set(teams) | {OTHER_TEAM}
+    team_counters = _counter_rows(
+        raw.get("team_counters"), "team_counters", team_labels, OTHER_TEAM
+    )
+    team_members = _member_pairs(raw.get("team_members"), "team_members", team_labels)
+    team_member_ns = _member_pairs(
+        raw.get("team_member_ns"), "team_member_ns", team_labels
+    )
     if "store" not in raw:
         raise PayloadError("store must be an object or null")
     store_raw = raw["store"]
@@ -177,6 +199,10 @@ def parse(raw: object) -> Payload:
         mode=mode,
         tiers=tiers,
         tier_counters=tier_counters,
+        teams=teams,
+        team_counters=team_counters,
+        team_members=team_members,
+        team_member_ns=team_member_ns,
         store=store,
         fair_share=fair_share,
     )
@@ -292,6 +318,28 @@ def _counter_rows(
             for field, delta in row.items()
         }
     return rows
+
+
+def _member_pairs(
+    value: object, name: str, labels: set[str]
+) -> dict[str, tuple[int, int]]:
+    """``value`` as label -> (all, throttled), throttled at most all."""
+    if not isinstance(value, Mapping):
+        raise PayloadError(f"{name} must be an object")
+    pairs: dict[str, tuple[int, int]] = {}
+    for label, pair in value.items():
+        where = f"{name}[{label!r}]"
+        if label not in labels:
+            raise PayloadError(
+                f"{name} has label {label!r} that is neither labelled nor {OTHER_TEAM}"
+            )
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise PayloadError(f"{where} must be an [all, throttled] pair")
+        total, throttled = _int(pair[0], where), _int(pair[1], where)
+        if throttled > total:
+            raise PayloadError(f"{where}: {throttled} throttled of {total}")
+        pairs[label] = (total, throttled)
+    return pairs
 
 
 def _str_int_map(value: object, name: str) -> dict[str, int]:

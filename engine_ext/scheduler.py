@@ -396,6 +396,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         limiter=self.limiter,
                         store=self.output_rate_shared.store_stats,
                         fair_share=self.output_rate_shared.fair_share,
+                        teams=payload_builder.TeamActivity(
+                            table=self.output_rate_shared.teams.table,
+                            live=self._users.live,
+                            throttled=self._users.parked_counts,
+                            now_ns=now_ns,
+                        ),
                     )
                 payload_builder.attach(stats, payload)
             except Exception:

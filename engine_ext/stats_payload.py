@@ -34,6 +34,13 @@ Tiers are labelled the same way (every tier that exists, at most
 ``MAX_LABELLED_TIERS``; the rest under ``OTHER_TIER``); a tier's counters sum its
 members' events, each event counted in the tier its user belongs to when the
 payload is built, and users in no tier are in no tier's counters.
+Teams are labelled like users (at most ``max_labelled_users`` of them, the rest
+under ``OTHER_TEAM``) and their counters sum their members' events the same way
+(exempt members included: they are members). A team's members with live
+requests, and those of them with a request parked for lack of budget at the
+engine's last step, are gauges of the engine that sent them; their integrals
+over time are counters in member-nanoseconds (each build adds the time since
+the previous one times the counts the previous one saw).
 
 Store: with a global store configured (``SharedLimiter.store_stats``), the
 payload carries the engine's store traffic (``pacing.store_stats``): round trips
@@ -67,7 +74,7 @@ from pacing.accounting import UserCounters
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 4
+PAYLOAD_VERSION = 5
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
 #: The ``tier`` label value of every tier without a label of its own.
@@ -75,6 +82,8 @@ OTHER_TIER = "__other__"
 #: Most tiers with a ``tier`` label of their own. Tiers are the operator's, so
 #: few; the cap holds should a control-plane client create many.
 MAX_LABELLED_TIERS = 100
+#: The ``team`` label value of every team without a label of its own.
+OTHER_TEAM = "__other__"
 #: The ``user`` label value of the default limit in the limits gauge.
 DEFAULT_LIMIT_USER = "__default__"
 #: The ``method`` label value of an RPC method name that does not encode.

@@ -16,17 +16,20 @@ from pacing.fair_share import FairShare
 
 @dataclass(frozen=True)
 class SharePolicy:
-    """Whether fair share is on, and the users' and tiers' own weights."""
+    """Whether fair share is on, and the users', tiers' and teams' own weights."""
 
     enabled: bool = False
     users: Mapping[str, float] = field(default_factory=dict)
     tiers: Mapping[str, float] = field(default_factory=dict)
+    teams: Mapping[str, float] = field(default_factory=dict)
 
 
 def policy_of(ledger: FairShare) -> SharePolicy:
     """A copy of ``ledger``'s switch and weights."""
     weights = ledger.weights
-    return SharePolicy(ledger.enabled, dict(weights.users), dict(weights.tiers))
+    return SharePolicy(
+        ledger.enabled, dict(weights.users), dict(weights.tiers), dict(weights.teams)
+    )
 
 
 def apply_policy(ledger: FairShare, policy: SharePolicy) -> bool:
@@ -40,6 +43,9 @@ def apply_policy(ledger: FairShare, policy: SharePolicy) -> bool:
         changed = True
     if policy.tiers != weights.tiers:
         weights.tiers = dict(policy.tiers)
+        changed = True
+    if policy.teams != weights.teams:
+        weights.teams = dict(policy.teams)
         changed = True
     enabled = policy.enabled and ledger.refusal is None
     if enabled != ledger.enabled:

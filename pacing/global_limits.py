@@ -44,6 +44,7 @@ from pacing.fair_share_policy import SharePolicy
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
+from pacing.teams import TeamTable
 
 #: A stamp: what ``secrets.token_hex`` draws, or empty (a table written without).
 _STAMP: Final = re.compile(r"[0-9a-f]{0,64}")
@@ -103,8 +104,9 @@ class LimitsBackend(Protocol):
         table: LimitTable,
         mode: Mode,
         share: SharePolicy,
+        teams: TeamTable,
     ) -> None:
-        """Makes the whole table, mode and fair-share policy every engine's,
+        """Makes the whole table, mode, fair-share policy and teams every engine's,
         before the caller applies them here, and saves them to the durable copy.
         Requires the hub's lock held. Raises LimitsConflict or
         LimitsUnavailable (nothing changed), or LimitsNotSaved."""
@@ -125,6 +127,7 @@ class DurableCopy(Protocol):
         table: LimitTable,
         mode: Mode,
         share: SharePolicy,
+        teams: TeamTable,
         version: LimitsVersion,
     ) -> None:
         """Replaces the saved table by this one, store version ``version``.

@@ -177,6 +177,7 @@ class Teams:
 
     __slots__ = (
         "backlogged",
+        "budget",
         "cells",
         "changes",
         "charged",
@@ -196,6 +197,10 @@ class Teams:
         #: One GCRA cell per team, keyed by team name (every team in the table
         #: has a rate of its own; the default is never used).
         self.cells = OutputRateLimiter(MAX_RATE, self.table.rates, burst_ns)
+        #: Where teams' tokens are spent from: ``cells`` on one engine, the
+        #: teams' claimed balances with a global store (``store.runtime``),
+        #: which take their rates from ``cells``.
+        self.budget: BudgetSource = self.cells
         #: Bumped by every change of the table (the budget forgets its bounds).
         self.changes = 0
         #: A member's weight inside its team (the fair-share weights).
@@ -224,6 +229,11 @@ class Teams:
     def set_membership(self, user: str, team: str | None, now_ns: int) -> None:
         self.table.set_membership(user, team)
         self.vt.pop(user, None)
+        self.changes += 1
+
+    def use_budget(self, budget: BudgetSource | None) -> None:
+        """Makes ``budget`` what teams spend from (``None``: ``cells``)."""
+        self.budget = self.cells if budget is None else budget
         self.changes += 1
 
     def assign(self, user: str, team: str) -> bool:
@@ -340,12 +350,11 @@ class TeamBudget:
 
     @property
     def limit_changes(self) -> int:
-        return (
-            self.base.limit_changes
-            + self.teams.cells.limit_changes
-            + self.teams.changes
-            + self._bumps
-        )
+        teams = self.teams
+        changes = self.base.limit_changes + teams.changes + self._bumps
+        if teams.budget is not teams.cells:  # claimed balances over the cells
+            changes += teams.cells.limit_changes
+        return changes + teams.budget.limit_changes
 
     def team_of(self, user: str) -> str | None:
         team = self.teams.table.team_of(user)
@@ -368,7 +377,7 @@ class TeamBudget:
         if not wants:
             return results
         teams.lift(team, [u for u, want in wants.items() if want > 0])
-        cells = teams.cells
+        cells = teams.budget
         tokens = cells.available(team, now_ns)
         grants = (
             wants if sum(wants.values()) <= tokens else teams.split(team, wants, tokens)
@@ -428,7 +437,7 @@ class TeamBudget:
             if promise < remaining[user]:
                 remaining[user] = promise
         if totals:
-            self.teams.cells.take_each(totals, now_ns)
+            self.teams.budget.take_each(totals, now_ns)
             charged = self.teams.charged
             for team, total in totals.items():
                 charged[team] = charged.get(team, 0) + total
@@ -438,7 +447,7 @@ class TeamBudget:
         self.base.refund(user, now_ns, count)
         team = self.team_of(user)
         if team is not None and count:
-            self.teams.cells.refund(team, now_ns, count)
+            self.teams.budget.refund(team, now_ns, count)
             self.teams.record(user, team, -count)
             self.promised[user] = self.promised.get(user, 0) + count
 
@@ -457,4 +466,4 @@ class TeamBudget:
         team = self.team_of(user)
         if team is None:
             return ready
-        return max(ready, self.teams.cells.ready_at_ns(team, now_ns))
+        return max(ready, self.teams.budget.ready_at_ns(team, now_ns))

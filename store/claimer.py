@@ -74,8 +74,12 @@ class Claimer:
         period_s: float = DEFAULT_PERIOD_S,
         heartbeat_ns: int = DEFAULT_HEARTBEAT_NS,
         stats: StoreStats | None = None,
+        log_outages: bool = True,
     ) -> None:
         self._store = store
+        #: Whether this claimer logs the store going away and coming back
+        #: (an engine's second claimer leaves that to the first).
+        self._log_outages = log_outages
         self._balances = balances
         self._lock = lock
         self._clock = clock
@@ -134,7 +138,7 @@ class Claimer:
             waited_ns = self._clock() - sent_ns
             with self._lock:
                 now_ns = self._clock()
-                if self._balances.store_down_since_ns is None:
+                if self._balances.store_down_since_ns is None and self._log_outages:
                     logger.warning(
                         "output-rate store unavailable: %s%s", error, self._waiting()
                     )
@@ -148,7 +152,7 @@ class Claimer:
         woke = False
         with self._lock:
             now_ns = self._clock()
-            if self._balances.store_down_since_ns is not None:
+            if self._balances.store_down_since_ns is not None and self._log_outages:
                 logger.warning("output-rate store available again")
             if answer.live_engines is None:
                 self._balances.record_store_ok()

@@ -69,6 +69,7 @@ from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.shared import SharedLimiter
+from pacing.teams import TeamTable
 from store.limits_table import Limits
 from store.redis_store import (
     NO_TABLE,
@@ -158,6 +159,7 @@ class LimitsSync:
         table: LimitTable,
         mode: Mode,
         share: SharePolicy,
+        teams: TeamTable,
     ) -> None:
         """Writes the control plane's change to the store if it still holds the
         version applied here. Requires the hub's lock (the control plane holds
@@ -166,7 +168,7 @@ class LimitsSync:
             raise global_limits.LimitsUnavailable(
                 "the limits table has not been read from the store yet"
             )
-        limits = Limits(default_rate, table, mode, share)
+        limits = Limits(default_rate, table, mode, share, teams)
         try:
             self._version = self._store.write_limits(limits, self._version)
         except StaleLimits as stale:
@@ -250,7 +252,12 @@ class LimitsSync:
             return True
         try:
             durable.save(
-                limits.default_rate, limits.table, limits.mode, limits.share, version
+                limits.default_rate,
+                limits.table,
+                limits.mode,
+                limits.share,
+                limits.teams,
+                version,
             )
         except OSError as error:
             logger.error(
@@ -269,7 +276,8 @@ class LimitsSync:
             default, mode = limiter.default_rate, shared.mode
             entries = _entries(limiter)
             share = policy_of(shared.fair_share)
-        return Limits(default, LimitTable(*entries), mode, share)
+            teams = shared.teams.table.copy()
+        return Limits(default, LimitTable(*entries), mode, share, teams)
 
     def _apply(self, version: LimitsVersion, limits: Limits) -> bool:
         shared = self._shared
@@ -287,11 +295,18 @@ class LimitsSync:
             new_entries = wanted != _entries(limiter)
             if new_entries:
                 limiter.replace_limits(table, now_ns)
+            held_teams = shared.teams.table
+            new_teams = (limits.teams.rates, limits.teams.memberships) != (
+                held_teams.rates,
+                held_teams.memberships,
+            )
+            if new_teams:
+                shared.teams.replace(limits.teams.copy(), now_ns)
             before = policy_of(shared.fair_share)
             apply_policy(shared.fair_share, limits.share)
             new_weights = _weights(limits.share) != _weights(before)
             switched = shared.fair_share.enabled != before.enabled
-            changed = new_default or new_entries or new_weights
+            changed = new_default or new_entries or new_weights or new_teams
             if changed:
                 self._hub.table_changed()
             mode_changed = shared.mode != limits.mode or switched

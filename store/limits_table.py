@@ -14,6 +14,8 @@ The document holds the default rate, the whole ``pacing.limits.LimitTable``
 (user limits, tiers, memberships, exemptions), the pacing mode (the fleet's
 kill switch is one switch) and the fair-share policy (the switch and the
 weights: ``pacing.fair_share_policy``; the counters stay each engine's);
+the teams and their members (``pacing.teams``) are written only when there is
+a team, so fleets without teams keep their documents as they were;
 decoding checks it by the same rules as every other entry point (the id rule,
 rates, and the caps on users and tiers: ``pacing.table_caps``), so a bad
 document is refused, never applied. The policy's keys are written only when it
@@ -34,6 +36,7 @@ from pacing.identity import validate_user
 from pacing.limits import LimitTable, validate_rate, validate_tier
 from pacing.modes import Mode, parse_mode
 from pacing.table_caps import validate_tier_count, validate_user_count
+from pacing.teams import TeamTable
 
 #: KEYS[1]: the limits hash. ARGV: the counter and stamp of the version the
 #: writer read ('' for any; '0' and '' where there must be no table), the new
@@ -65,6 +68,8 @@ _FIELDS = (
 )
 #: Written only when set (see the module docstring).
 _POLICY_FIELDS = ("fair_share", "weights")
+#: The teams (``pacing.teams``), written only when there is a team.
+_TEAM_FIELDS = ("team_rates", "team_members")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Limits:
     table: LimitTable
     mode: Mode = Mode.ENFORCE
     share: SharePolicy = field(default_factory=SharePolicy)
+    teams: TeamTable = field(default_factory=TeamTable)
 
 
 def encode(limits: Limits) -> str:
@@ -93,8 +99,18 @@ def encode(limits: Limits) -> str:
     }
     if share.enabled:
         document["fair_share"] = True
-    if share.users or share.tiers:
-        document["weights"] = {"users": dict(share.users), "tiers": dict(share.tiers)}
+    if share.users or share.tiers or share.teams:
+        weights: dict[str, Any] = {
+            "users": dict(share.users),
+            "tiers": dict(share.tiers),
+        }
+        if share.teams:
+            weights["teams"] = dict(share.teams)
+        document["weights"] = weights
+    teams = limits.teams
+    if teams:
+        document["team_rates"] = teams.rates
+        document["team_members"] = teams.memberships
     return json.dumps(document, sort_keys=True, ensure_ascii=False)
 
 
@@ -108,7 +124,7 @@ def decode(document: str | bytes) -> Limits:
     if not isinstance(raw, dict):
         raise ValueError("limits document must be a JSON object")
     missing = [name for name in _FIELDS if name not in raw]
-    unknown = sorted(set(raw) - set(_FIELDS) - set(_POLICY_FIELDS))
+    unknown = sorted(set(raw) - {*_FIELDS, *_POLICY_FIELDS, *_TEAM_FIELDS})
     if missing or unknown:
         raise ValueError(
             f"limits document: missing fields {missing}, unknown fields {unknown}"
@@ -146,34 +162,59 @@ def decode(document: str | bytes) -> Limits:
         raw["exempt_users"],
         raw["exempt_tiers"],
     )
-    return Limits(default, table, mode, _decode_policy(raw, table))
+    teams = _decode_teams(raw)
+    return Limits(default, table, mode, _decode_policy(raw, table, teams), teams)
 
 
-def _decode_policy(raw: dict[str, Any], table: LimitTable) -> SharePolicy:
+def _decode_teams(raw: dict[str, Any]) -> TeamTable:
+    """The teams of a decoded document; ValueError naming what is wrong."""
+    rates = raw.get("team_rates", {})
+    members = raw.get("team_members", {})
+    if not isinstance(rates, dict) or not isinstance(members, dict):
+        raise ValueError("limits document: team_rates and team_members must be objects")
+    validate_tier_count(len(rates))
+    for user in members:
+        validate_user(user, field="limits document: a team member's id")
+    try:
+        return TeamTable(rates, members)
+    except ValueError as error:
+        raise ValueError(f"limits document: {error}") from None
+
+
+def _decode_policy(
+    raw: dict[str, Any], table: LimitTable, teams: TeamTable
+) -> SharePolicy:
     """The fair-share policy of a decoded document; ValueError naming what is
     wrong (a weight out of range, a tier weight for a tier the table lacks)."""
     enabled = raw.get("fair_share", False)
     if not isinstance(enabled, bool):
         raise ValueError("limits document: fair_share must be true or false")
     weights = raw.get("weights", {})
-    if not isinstance(weights, dict) or set(weights) - {"users", "tiers"}:
-        raise ValueError("limits document: weights must be {users, tiers}")
+    if not isinstance(weights, dict) or set(weights) - {"users", "tiers", "teams"}:
+        raise ValueError("limits document: weights must be {users, tiers, teams}")
     users, tiers = weights.get("users", {}), weights.get("tiers", {})
-    if not isinstance(users, dict) or not isinstance(tiers, dict):
-        raise ValueError("limits document: weights' users and tiers must be objects")
+    team_weights = weights.get("teams", {})
+    if not all(isinstance(part, dict) for part in (users, tiers, team_weights)):
+        raise ValueError(
+            "limits document: weights' users, tiers and teams must be objects"
+        )
     for user in users:
         validate_user(user, field="limits document: a weighted user id")
     known = set(table.tier_rates) | set(table.exempt_tiers)
     for tier in tiers:
         if tier not in known:
             raise ValueError(f"limits document: weight of unknown tier {tier!r}")
-    checked = Weights(users, tiers)  # ValueError naming a bad weight
+    for team in team_weights:
+        if teams.rate_of(team) is None:
+            raise ValueError(f"limits document: weight of unknown team {team!r}")
+    checked = Weights(users, tiers, team_weights)  # ValueError naming a bad weight
     validate_user_count(
         len(
             table.user_rates.keys()
             | table.memberships.keys()
             | table.exempt_users
             | checked.users.keys()
+            | teams.memberships.keys()
         )
     )
-    return SharePolicy(enabled, checked.users, checked.tiers)
+    return SharePolicy(enabled, checked.users, checked.tiers, checked.teams)

@@ -9,6 +9,8 @@ Key layout (``KeySpace``; the prefix is ``output_rate``, or
 
 - ``output_rate:user:{alice}``: alice's GCRA cell (``store.cell``); the hash tag
   is the user id, so users spread over a cluster's slots;
+- ``output_rate:team:{acme}``: team acme's cell (``pacing.teams``), claimed by
+  each engine's second claimer (``KeySpace(cells="team")``);
 - ``{output_rate}:limits``: the limits table, a hash of ``version``,
   ``stamp`` and ``document`` (``store.limits_table``); changes are published
   on the channel ``output_rate:limits``;
@@ -94,6 +96,9 @@ class KeySpace:
     starts with it, or with it as a hash tag (``{prefix}``)."""
 
     prefix: str = DEFAULT_PREFIX
+    #: What the cells are kept for: ``user`` or ``team`` (team names follow the
+    #: user-id rule, so the kinds need keys apart).
+    cells: str = "user"
 
     @classmethod
     def of_fleet(cls, fleet: str | None) -> KeySpace:
@@ -110,7 +115,7 @@ class KeySpace:
             )
 
     def cell(self, user: str) -> str:
-        return f"{self.prefix}:user:{{{user}}}"
+        return f"{self.prefix}:{self.cells}:{{{user}}}"
 
     @property
     def limits(self) -> str:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import uuid
+from dataclasses import replace
 
 from pacing.claims import ClaimedBalances
 from pacing.limiter import NS_PER_S
@@ -27,8 +28,8 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class RunningStore:
-    """The store's part of one engine: its budget, its claimer and the sync of
-    its limits table with the global one."""
+    """The store's part of one engine: its budget, its claimers (users' cells
+    and teams' cells) and the sync of its limits table with the global one."""
 
     def __init__(
         self,
@@ -37,16 +38,19 @@ class RunningStore:
         budget: StoreBudget,
         claimer: Claimer,
         limits: LimitsSync,
+        team_claimer: Claimer,
     ) -> None:
         self.shared = shared
         self.store = store
         self.budget = budget
         self.claimer = claimer
         self.limits = limits
+        self.team_claimer = team_claimer
 
     def stop(self) -> None:
         """Stops claiming and syncing; the engine is taken off the live count."""
         self.limits.stop()
+        self.team_claimer.stop()
         self.claimer.stop()
 
 
@@ -68,6 +72,7 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
         keys=KeySpace.of_fleet(settings.fleet),
         tolerance_ns=shared.limiter.burst_ns,
     )
+    failure_after_ns = round(settings.failure_after_s * NS_PER_S)
     balances = ClaimedBalances(
         shared.limiter, assumed_engines=settings.expected_engines
     )
@@ -76,22 +81,50 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
         shared.limiter,
         shared.clock,
         failure_mode=settings.failure_mode,
-        failure_after_ns=round(settings.failure_after_s * NS_PER_S),
+        failure_after_ns=failure_after_ns,
+    )
+    # Teams' cells, claimed the same way: a team's rate holds across engines.
+    team_cells = shared.teams.cells
+    team_balances = ClaimedBalances(
+        team_cells, assumed_engines=settings.expected_engines
+    )
+    team_budget = StoreBudget(
+        team_balances,
+        team_cells,
+        shared.clock,
+        failure_mode=settings.failure_mode,
+        failure_after_ns=failure_after_ns,
     )
     stats = StoreStats()
     with shared.lock:
         shared.use_budget(budget)
+        shared.teams.use_budget(team_budget)
         shared.store_stats = stats
-    claimer = Claimer(
-        store,
-        balances,
-        shared.lock,
-        shared.clock,
-        engine_id=engine_id(),
-        wake=shared.wake,
-        stats=stats,
+    team_store = RedisStore(
+        client,
+        keys=replace(store.keys, cells="team"),
+        tolerance_ns=shared.limiter.burst_ns,
     )
-    claimer.start()
+    engine = engine_id()  # one engine in the live count, whichever claimer beats
+    claimers = [
+        Claimer(
+            cells,
+            claimed,
+            shared.lock,
+            shared.clock,
+            engine_id=engine,
+            wake=shared.wake,
+            stats=stats,
+            log_outages=logs,
+        )
+        for cells, claimed, logs in (
+            (store, balances, True),
+            (team_store, team_balances, False),
+        )
+    ]
+    claimer, team_claimer = claimers
+    for started in claimers:
+        started.start()
     # After the control plane attached (entry points load in that order): it
     # has loaded the limits file, which seeds a store that has no table yet.
     limits = LimitsSync(store, shared)
@@ -104,4 +137,4 @@ def attach(shared: SharedLimiter, settings: StoreSettings) -> RunningStore:
         settings.failure_mode.value,
         settings.failure_after_s,
     )
-    return RunningStore(shared, store, budget, claimer, limits)
+    return RunningStore(shared, store, budget, claimer, limits, team_claimer)

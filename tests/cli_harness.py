@@ -42,7 +42,9 @@ def ctl(served, capsys, monkeypatch):
     return run
 
 
-def entry(user: str, rate: int | None, tier=None, exempt=False, weight=None) -> dict:
+def entry(
+    user: str, rate: int | None, tier=None, exempt=False, weight=None, team=None
+) -> dict:
     """One user's entry as ``--json`` prints it."""
     return {
         "user": user,
@@ -50,4 +52,5 @@ def entry(user: str, rate: int | None, tier=None, exempt=False, weight=None) -> 
         "tier": tier,
         "exempt": exempt,
         "weight": weight,
+        "team": team,
     }

@@ -167,9 +167,9 @@ def test_membership_exemption_and_own_limit_are_separate_fields(ctl, rig):
     out = ctl("--json", "exempt", "dora")[1]  # no entry before
     assert json.loads(out) == entry("dora", None, exempt=True)
     assert ctl("list")[1].splitlines() == [
-        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT",
-        "bob         20     -      no       -",
-        "dora         -     -     yes       -",
+        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  TEAM",
+        "bob         20     -      no       -     -",
+        "dora         -     -     yes       -     -",
     ]
 
 
@@ -178,7 +178,8 @@ def test_delete_removes_the_whole_entry(ctl, rig):
     ctl("assign", "alice", "free")
     assert ctl("delete", "alice")[:2] == (
         0,
-        "deleted the entry of alice: limit, tier and exemption (the default applies)\n",
+        "deleted the entry of alice: limit, tier, team and exemption "
+        "(the default applies)\n",
     )
     assert rig.limiter.rate_of("alice") == 10
     assert rig.limiter.memberships == {}

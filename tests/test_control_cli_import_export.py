@@ -27,7 +27,7 @@ def test_export_then_import_round_trips_with_the_etag(ctl, rig, tmp_path):
     exported.write_text(json.dumps(doc))
     status, out, err = ctl("import", str(exported))
     assert (status, err) == (0, "")
-    assert out.startswith("imported 2 entries and 0 tiers; etag ")
+    assert out.startswith("imported 2 entries, 0 tiers and 0 teams; etag ")
     assert rig.limiter.user_rates == {"alice": 5, "erin": 3}
 
 
@@ -113,7 +113,7 @@ def test_export_then_import_carries_tiers_memberships_and_exemptions(
     exported.write_text(yaml.safe_dump(doc))
     status, out, err = ctl("import", str(exported))
     assert (status, err) == (0, "")
-    assert out.startswith("imported 5 entries and 2 tiers; etag ")
+    assert out.startswith("imported 5 entries, 2 tiers and 0 teams; etag ")
     assert rig.limiter.memberships == {"carol": "free", "dave": "staff"}
     assert rig.limiter.rate_of("carol") == 3
     assert rig.limiter.rate_of("dave") == 0

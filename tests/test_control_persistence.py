@@ -72,7 +72,8 @@ BAD_FILES = [
         '{"users": {}, "user": {}}',
         "unknown field(s) 'user'; expected 'mode', 'fair_share', "
         "'default_tokens_per_second', 'tiers', 'users', 'memberships', "
-        "'exempt_users', 'weights', 'etag', 'store_version'",
+        "'exempt_users', 'teams', 'team_members', 'weights', 'etag', "
+        "'store_version'",
     ),
     (
         '{"default_tokens_per_second": 1.5}',

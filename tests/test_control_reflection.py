@@ -51,6 +51,11 @@ def test_reflection_describes_methods_and_messages(service):
         "CreateTier",
         "UpdateTier",
         "DeleteTier",
+        "GetTeam",
+        "ListTeams",
+        "CreateTeam",
+        "UpdateTeam",
+        "DeleteTeam",
         "GetLimitsTable",
         "ReplaceLimitsTable",
         "GetPacingMode",
@@ -58,6 +63,8 @@ def test_reflection_describes_methods_and_messages(service):
         "GetUserState",
         "ListUserStates",
         "WatchUserStates",
+        "GetTeamState",
+        "ListTeamStates",
     }
     assert methods["WatchUserStates"].server_streaming
     assert methods["ListUserStates"].output_type.name == "ListUserStatesResponse"

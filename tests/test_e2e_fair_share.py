@@ -3,7 +3,8 @@
 requests before three others send 4 each (``tools.fair_share_workload``). With
 fair share on, while all four are served each gets 25 % ± 7 % of the tokens;
 switched off through the control plane, FCFS serves the flooder's 24 before
-anyone else's.
+anyone else's. With teams, the same server shares its slots between two teams
+by team weight, and a team's part among its members by user weight.
 
 On a loaded 2-core machine this client may be descheduled for seconds
 (measured: 5.7, 12.8 and 14 s while the engine kept stepping), so nothing here
@@ -28,8 +29,13 @@ from tools.fair_share_workload import (
     LIGHT_STREAMS,
     LIGHT_TOKENS,
     SLOTS,
+    TEAM_MEMBERS,
+    TEAM_STREAMS,
+    TEAM_TOKENS,
+    TEAMS_ARGS,
     all_served_window,
     check_complete,
+    run_held_streams,
     run_workload,
     switch_fair_share,
     users,
@@ -42,13 +48,13 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def fair_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """Our server with fair share on: 8 slots, every user at 100,000 tok/s,
-    vLLM's pause, resume and load routes."""
+    two teams far above that too, vLLM's pause, resume and load routes."""
     workdir = tmp_path_factory.mktemp("fair-share-server")
     server = start_paced_server(
         tiny_model_dir,
         workdir,
         {},
-        [*FAIR_SHARE_ARGS, *ENGINE_ARGS, *HOLD_ARGS],
+        [*FAIR_SHARE_ARGS, *ENGINE_ARGS, *HOLD_ARGS, *TEAMS_ARGS],
         env=HOLD_ENV,
     )
     httpx.post(
@@ -118,3 +124,44 @@ def test_without_fair_share_the_flooder_is_served_first(
     print(f"\nthe flooder's tokens at the reads with a light user served: {flooded}")
     assert flooded
     assert min(flooded) >= (FLOOD_STREAMS - SLOTS) * FLOOD_TOKENS
+
+
+def test_teams_share_a_saturated_engine_by_team_weight(
+    fair_server: VllmServer,
+) -> None:
+    """Team e2e-one (one user, 16 streams) and team e2e-four (four users, 4
+    streams each), equal weights, 8 slots: on the server's counters, from the
+    first snapshot with every user charged to the last before any has all its
+    tokens, each team gets 50 % ± 7 % of the tokens and each of e2e-four's
+    users 12.5 % ± 5 %."""
+    switch_fair_share(fair_server, True)
+    reads = run_held_streams(fair_server, TEAM_STREAMS, TEAM_TOKENS)
+    demand = {u: n * TEAM_TOKENS for u, n in TEAM_STREAMS.items()}
+
+    def streaming(read: dict[str, int]) -> bool:
+        """Every user in the snapshot (a user's counters go with its last
+        request) and none with all its tokens."""
+        return all(0 < read.get(u, 0) < demand[u] for u in TEAM_STREAMS)
+
+    first = next((i for i, read in enumerate(reads) if streaming(read)), None)
+    assert first is not None, f"no snapshot has every user served: {reads}"
+    last = first
+    while last + 1 < len(reads) and streaming(reads[last + 1]):
+        last += 1
+    counts = {u: reads[last][u] - reads[first][u] for u in TEAM_STREAMS}
+    total = sum(counts.values())
+    shares = {u: round(n / total, 3) for u, n in counts.items()}
+    team_shares: dict[str, float] = {}
+    for user, share in shares.items():
+        team = TEAM_MEMBERS[user]
+        team_shares[team] = team_shares.get(team, 0.0) + share
+    print(
+        f"\nshares over reads {first}..{last} of {len(reads)}, {total} tokens: "
+        f"teams {team_shares}, users {shares}"
+    )
+    assert last > first and total >= 4000, shares
+    for team, share in team_shares.items():
+        assert abs(share - 0.5) <= 0.07, (team, team_shares)
+    for user, share in shares.items():
+        if TEAM_MEMBERS[user] == "e2e-four":
+            assert abs(share - 0.125) <= 0.05, (user, shares)

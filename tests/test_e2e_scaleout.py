@@ -57,6 +57,7 @@ from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.scaleout_fleet import (
     FLOOR_SHARE,
+    SLACK_S,
     Fleet,
     addresses,
     assert_complete,
@@ -79,6 +80,7 @@ from tools.measure import (
 from tools.redis_server import redis_server
 from tools.server_counters import (
     ChargedReads,
+    all_streaming,
     assert_at_least_the_limit,
     on_engines,
 )
@@ -89,6 +91,9 @@ ENGINES = 3
 GLOBAL_USER = "global-user"
 LIMIT = 30  # tok/s, across all engines
 DEFAULT = 1000
+#: A team of two members, each streaming on an engine of its own.
+TEAM, TEAM_RATE = "fleet-team", 60
+TEAM_MEMBERS = {"fleet-a": TEAM, "fleet-b": TEAM}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +106,10 @@ def fleet(
         str(DEFAULT),
         "--user-output-tokens-per-second",
         json.dumps({GLOBAL_USER: LIMIT}),
+        "--output-rate-teams",
+        json.dumps({TEAM: TEAM_RATE}),
+        "--output-rate-team-members",
+        json.dumps(TEAM_MEMBERS),
     ]
     with (
         redis_server() as url,
@@ -124,6 +133,40 @@ def test_one_users_limit_holds_across_three_engines(fleet: Fleet) -> None:
     assert_complete(results, tokens)
     rate = rates_by_user(results)[GLOBAL_USER]
     assert_global_pace(rate, counters, 6 * tokens, LIMIT)
+
+
+def test_a_teams_rate_holds_across_engines(fleet: Fleet) -> None:
+    """Team fleet-team at 60 tok/s: fleet-a streams on one engine (2 streams),
+    fleet-b on another (3 streams), each far below its own cap. On the
+    engines' counters summed, the team's tokens stay within GCRA's bound for
+    60 tok/s plus the store's slack, and reach at least 95 % of it."""
+    first, second = fleet.servers[:2]
+    streams = {"fleet-a": (first, 2, 225), "fleet-b": (second, 3, 150)}
+    totals = {user: count * tokens for user, (_, count, tokens) in streams.items()}
+    with ChargedReads(on_engines(addresses(fleet.servers)), totals) as counters:
+        results = run_all(
+            [
+                (server, [(user, tokens)] * count)
+                for user, (server, count, tokens) in streams.items()
+            ]
+        )
+    for result in results:
+        assert result.finish_reason == "length"
+    start, end = all_streaming(counters.reads, totals, settle_s=2.0)
+    got = sum(end.charged[u] - start.charged[u] for u in totals)
+    shortest, longest = end.sent - start.received, end.received - start.sent
+    late_s = max(
+        end.engine_late_s.get(u, 0.0) - start.engine_late_s.get(u, 0.0) for u in totals
+    )
+    report = (
+        f"{TEAM}: {got} tokens over {shortest:.2f}..{longest:.2f} s of the "
+        f"servers' time ({got / longest:.1f}..{got / shortest:.1f} tok/s across "
+        f"two engines; engine late {late_s:.2f} s), limit {TEAM_RATE}"
+    )
+    print(f"\n{report}")
+    assert shortest >= 5.0, report
+    assert got <= (longest + SLACK_S) * TEAM_RATE + 1, report
+    assert got >= FLOOR_SHARE * TEAM_RATE * shortest - TEAM_RATE * late_s, report
 
 
 def test_a_user_moving_between_engines_keeps_its_rate(fleet: Fleet) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import SERVER_LIMITS, SERVER_TEAM_MEMBERS, SERVER_TEAMS
 from tools.measure import BURST_S, run_streams
-from tools.server_counters import ChargedReads, Read, count
+from tools.server_counters import ChargedReads, all_streaming, count
 
 pytestmark = pytest.mark.server
 
@@ -31,18 +31,6 @@ def _streams(parts: Mapping[str, float], counts: Mapping[str, int]) -> list:
         per_stream = int(rate * STREAM_S / counts[user]) + 1
         streams += [(user, per_stream)] * counts[user]
     return streams
-
-
-def _window(reads: list[Read], totals: Mapping[str, int]) -> tuple[Read, Read]:
-    """The first read ``SETTLE_S`` after every member was charged, and the last
-    before any member's tokens were all charged: every member had a request
-    waiting in between."""
-    started = [r for r in reads if all(r.charged[u] >= 1 for u in totals)]
-    assert started, "no read saw every member charged"
-    settled = [r for r in started if r.sent >= started[0].received + SETTLE_S]
-    streaming = [r for r in reads if all(r.charged[u] < totals[u] for u in totals)]
-    assert settled and streaming, "no read while every member streamed"
-    return settled[0], streaming[-1]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +62,7 @@ def test_a_team_rate_is_split_by_weight_not_by_streams(vllm_server, team, parts)
         )
     for result in results:
         assert result.finish_reason == "length"  # paced, never truncated
-    start, end = _window(reads.reads, totals)
+    start, end = all_streaming(reads.reads, totals, SETTLE_S)
     got = {user: end.charged[user] - start.charged[user] for user in parts}
     total = sum(got.values())
     shortest = end.sent - start.received

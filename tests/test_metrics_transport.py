@@ -26,11 +26,12 @@ from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from engine_ext import metrics
-from engine_ext.payload_builder import PayloadBuilder, attach
+from engine_ext.payload_builder import PayloadBuilder, TeamActivity, attach
 from engine_ext.payload_parser import parse, take_payload
 from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
+    OTHER_TEAM,
     OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
@@ -41,8 +42,9 @@ from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.shared import ControlPlaneSnapshot
 from pacing.store_stats import StoreStats
+from pacing.teams import TeamTable
 from tools.fake_clock import FakeClock
-from tools.scheduler_harness import make_scheduler
+from tools.scheduler_harness import driven_scheduler, make_request, make_scheduler
 
 MODEL = "tiny-output-rate"
 
@@ -344,6 +346,116 @@ def test_fair_share_metrics_reach_vllms_registry_through_the_real_pipeline(
     assert value(metrics.FAIR_SHARE_SERVICE_GAP, engine="1") == 0
 
 
+def test_team_series_reach_vllms_registry_through_the_real_pipeline(
+    vllm_config: VllmConfig,
+) -> None:
+    """Team counters sum their members' (exempt ones included), the limit is
+    the team's shared rate, the member gauges are the sending engine's, and
+    the member-seconds counters integrate them between payloads."""
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0, 1], registry=registry)
+    table = TeamTable({"acme": 60, "beta": 20}, {"a": "acme", "b": "acme", "c": "beta"})
+    limiter = OutputRateLimiter(
+        100, {}, memberships={"b": "staff"}, exempt_tiers={"staff"}
+    )
+    accounting = Accounting()
+    accounting.record("a", "charged", 4)
+    accounting.record("a", "throttled_skips", 6)
+    accounting.record("b", "charged", 9)  # exempt, still acme's member
+    accounting.record("c", "fair_share_service", 1.5)
+    accounting.record("erin", "charged", 50)  # in no team
+    builder = PayloadBuilder()
+
+    def step(now_ns: int, live: tuple[str, ...], throttled: tuple[str, ...]) -> None:
+        payload = builder.build(
+            accounting=accounting,
+            user_rates={},
+            default_rate=100,
+            throttled_requests=len(throttled),
+            tracked_users=len(live),
+            limiter=limiter,
+            teams=TeamActivity(table, live, throttled, now_ns),
+        )
+        plugin.record(engine_step(payload), None, engine_idx=1)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": MODEL, **labels})
+
+    step(0, ("a", "b", "c"), ("a",))
+    assert value(metrics.TEAM_TOKENS_CHARGED, team="acme") == 13
+    assert value(metrics.TEAM_TOKENS_CHARGED, team=OTHER_TEAM) == 0
+    assert value(metrics.TEAM_THROTTLED_SKIPS, team="acme") == 6
+    assert value(metrics.TEAM_FAIR_SHARE_SERVICE, team="beta") == 1.5
+    assert value(metrics.TEAM_REFUNDS, team="beta") == 0
+    assert value(metrics.TEAM_LIMIT_TOKENS_PER_SECOND, team="acme") == 60
+    assert value(metrics.TEAM_LIMIT_TOKENS_PER_SECOND, team="beta") == 20
+    assert value(metrics.TEAM_MEMBERS_STREAMING, team="acme", engine="1") == 2
+    assert value(metrics.TEAM_THROTTLED_MEMBERS, team="acme", engine="1") == 1
+    assert value(metrics.TEAM_MEMBERS_STREAMING, team="beta", engine="1") == 1
+    assert value(metrics.TEAM_MEMBER_ACTIVE_SECONDS, team="acme") == 0
+
+    # 2 s later: acme had 2 members streaming for 2 s, 1 of them throttled.
+    # beta is removed (c leaves it first): its series go.
+    table.set_membership("c", None)
+    table.set_rate("beta", None)
+    step(2_000_000_000, ("a",), ())
+    assert value(metrics.TEAM_MEMBER_ACTIVE_SECONDS, team="acme") == 4.0
+    assert value(metrics.TEAM_MEMBER_THROTTLED_SECONDS, team="acme") == 2.0
+    assert value(metrics.TEAM_MEMBERS_STREAMING, team="acme", engine="1") == 1
+    assert value(metrics.TEAM_THROTTLED_MEMBERS, team="acme", engine="1") == 0
+    assert value(metrics.TEAM_TOKENS_CHARGED, team="beta") is None
+    assert value(metrics.TEAM_LIMIT_TOKENS_PER_SECOND, team="beta") is None
+    assert value(metrics.TEAM_MEMBERS_STREAMING, team="beta", engine="1") is None
+
+
+def test_team_labels_are_bounded_like_users_on_the_registry(
+    vllm_config: VllmConfig,
+) -> None:
+    """Teams beyond the user-label cap share the ``__other__`` series."""
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    teams = {f"t{i}": 10 for i in range(4)}
+    table = TeamTable(teams, {f"u{i}": team for i, team in enumerate(teams)})
+    accounting = Accounting()
+    for i in range(4):
+        accounting.record(f"u{i}", "charged", 1)
+    payload = PayloadBuilder(max_labelled_users=1).build(
+        accounting=accounting,
+        user_rates={},
+        default_rate=100,
+        throttled_requests=0,
+        tracked_users=4,
+        teams=TeamActivity(table, ("u1", "u2"), ("u2",), 0),
+    )
+    plugin.record(engine_step(payload), None)
+    exposed = generate_latest(registry).decode()
+    charged = [
+        line
+        for line in exposed.splitlines()
+        if line.startswith(metrics.TEAM_TOKENS_CHARGED)
+    ]
+    assert len(charged) == 2, charged
+    assert (
+        registry.get_sample_value(
+            metrics.TEAM_TOKENS_CHARGED, {"model_name": MODEL, "team": "t0"}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value(
+            metrics.TEAM_TOKENS_CHARGED, {"model_name": MODEL, "team": OTHER_TEAM}
+        )
+        == 3
+    )
+    assert (
+        registry.get_sample_value(
+            metrics.TEAM_THROTTLED_MEMBERS,
+            {"model_name": MODEL, "team": OTHER_TEAM, "engine": "0"},
+        )
+        == 1
+    )
+
+
 def test_our_metrics_survive_vllm_rebuilding_its_prometheus_logger(
     manager: StatLoggerManager, vllm_config: VllmConfig
 ) -> None:
@@ -381,7 +493,7 @@ def test_a_malformed_payload_is_dropped_and_still_removed(
         plugin.record(engine_step({"v": 999}), None)
     assert stats.kv_connector_stats is None
     assert [r.message for r in caplog.records].count(
-        "dropping malformed output-rate stats: payload version 999 is not 4: "
+        "dropping malformed output-rate stats: payload version 999 is not 5: "
         "engine core and API process run different engine_ext versions"
     ) == 1
     assert b"output_rate" not in generate_latest(registry)
@@ -671,3 +783,37 @@ def test_without_a_store_there_are_no_store_series(vllm_config: VllmConfig) -> N
     text = generate_latest(registry)
     assert b"vllm:output_rate_tracked_users" in text  # the payload was exported
     assert b"output_rate_store" not in text
+
+
+def test_the_scheduler_reports_its_team_members_streaming_and_throttled(
+    tiny_model_dir: str,
+) -> None:
+    """On vLLM's real Scheduler: acme (20 tok/s) binds with members a and b two
+    streams each, so the payload counts both streaming and some throttled;
+    between two payloads 500 ms apart the member-seconds grow by the counts
+    the first one saw times 0.5 s."""
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir,
+        False,
+        default_rate=10_000,
+        scheduler_cls=_StatsScheduler,
+        output_rate={
+            "team_rates": {"acme": 20},
+            "team_members": {"a": "acme", "b": "acme"},
+        },
+    )
+    driver.add([make_request(user) for user in ("a", "a", "b", "b", "c")])
+    for _ in range(50):
+        driver.step()
+    first = scheduler.make_stats_with_payload()
+    assert first is not None
+    payload = parse(take_payload(first))
+    streaming, throttled = payload.team_members["acme"]
+    assert streaming == 2
+    assert throttled >= 1
+    assert payload.teams == {"acme": 20}
+    driver.clock.advance_ms(500)
+    second = scheduler.make_stats_with_payload()
+    assert second is not None
+    later = parse(take_payload(second))
+    assert later.team_member_ns["acme"] == (streaming * 500 * MS, throttled * 500 * MS)

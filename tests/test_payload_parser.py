@@ -25,7 +25,7 @@ def _valid() -> dict:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda p: p.update(v=1), "payload version 1 is not 4"),
+        (lambda p: p.update(v=1), "payload version 1 is not 5"),
         (lambda p: p.update(users={"mallory": {"charged": 1}}), "'mallory'"),
         (lambda p: p.update(users={OTHER_USER: {"bogus": 1}}), "unknown counters"),
         (lambda p: p.update(users={OTHER_USER: {"charged": -1}}), "non-negative"),

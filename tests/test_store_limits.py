@@ -14,6 +14,7 @@ from pacing.global_limits import LimitsVersion
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.table_caps import MAX_EXPLICIT_LIMITS, MAX_TIERS
+from pacing.teams import TeamTable
 from store.limits_table import Limits, decode, encode
 from store.redis_store import NO_TABLE, RedisStore, StaleLimits
 from tests import store_harness
@@ -75,8 +76,9 @@ def test_the_fair_share_policy_travels_only_when_it_holds_something():
     ("policy", "message"),
     [
         ({"fair_share": "yes"}, "fair_share must be true or false"),
-        ({"weights": {"groups": {}}}, "weights must be {users, tiers}"),
-        ({"weights": {"users": []}}, "users and tiers must be objects"),
+        ({"weights": {"groups": {}}}, "weights must be {users, tiers, teams}"),
+        ({"weights": {"users": []}}, "users, tiers and teams must be objects"),
+        ({"weights": {"teams": {"nosuch": 2}}}, "weight of unknown team 'nosuch'"),
         ({"weights": {"users": {"alice": 0}}}, "must be in (0, 1e+06]"),
         ({"weights": {"tiers": {"gold": 2}}}, "weight of unknown tier 'gold'"),
         ({"weights": {"users": {"a\x01": 2}}}, "weighted user id"),
@@ -84,6 +86,41 @@ def test_the_fair_share_policy_travels_only_when_it_holds_something():
 )
 def test_a_bad_fair_share_policy_is_refused(policy, message):
     document = {**json.loads(encode(full_table())), **policy}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode(json.dumps(document))
+
+
+def test_teams_round_trip_and_are_left_out_when_there_are_none():
+    teams = TeamTable({"acme": 60}, {"alice": "acme"})
+    share = SharePolicy(teams={"acme": 2.0})
+    limits = Limits(10, LimitTable(), teams=teams, share=share)
+    again = decode(encode(limits))
+    assert (again.teams.rates, again.teams.memberships) == (
+        {"acme": 60},
+        {"alice": "acme"},
+    )
+    assert dict(again.share.teams) == {"acme": 2.0}
+    plain = json.loads(encode(Limits(10, LimitTable())))
+    assert "team_rates" not in plain and "team_members" not in plain
+
+
+@pytest.mark.parametrize(
+    ("teams", "message"),
+    [
+        ({"team_rates": []}, "team_rates and team_members must be objects"),
+        ({"team_rates": {"acme": 0}}, "rate of team 'acme' must be between"),
+        (
+            {"team_rates": {}, "team_members": {"alice": "acme"}},
+            "member of team 'acme', which has no rate",
+        ),
+        (
+            {"team_rates": {"acme": 1}, "team_members": {"a\x01": "acme"}},
+            "a team member's id",
+        ),
+    ],
+)
+def test_a_bad_team_part_is_refused(teams, message):
+    document = {**json.loads(encode(full_table())), **teams}
     with pytest.raises(ValueError, match=re.escape(message)):
         decode(json.dumps(document))
 

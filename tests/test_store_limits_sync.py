@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import redis
+from google.protobuf.field_mask_pb2 import FieldMask
 
 from control.errors import Unavailable
 from control.persistence import ConfigFile
@@ -312,6 +313,39 @@ def test_weights_and_the_fair_share_switch_reach_every_engine(redis_url, client)
         assert refusing.rig.shared.fair_share.enabled is False
         limit = second.stub.GetLimit(pb.GetLimitRequest(name="limits/alice"))
         assert limit.weight == 3.0
+
+
+def test_teams_their_members_and_weights_reach_every_engine(redis_url, client):
+    """Teams travel with the limits table: a team created, weighed and joined
+    through one engine is every engine's, and stored in the document."""
+    with fleet(redis_url, 3) as engines:
+        first, *others = engines
+        first.stub.CreateTeam(
+            pb.CreateTeamRequest(
+                team_id="acme", team=pb.Team(tokens_per_second=60, weight=2.0)
+            )
+        )
+        first.stub.UpdateLimit(
+            pb.UpdateLimitRequest(
+                limit=pb.Limit(name="limits/alice", team="teams/acme"),
+                update_mask=FieldMask(paths=["team"]),
+                allow_missing=True,
+            )
+        )
+        wait_for(
+            lambda: all(
+                e.rig.shared.teams.table.memberships == {"alice": "acme"}
+                for e in engines
+            ),
+            SPREAD_S,
+        )
+        for target in others:
+            assert target.rig.shared.teams.table.rates == {"acme": 60}
+            assert target.rig.shared.fair_share.weights.teams == {"acme": 2.0}
+        limits = stored(client)[1]
+        assert limits.teams.rates == {"acme": 60}
+        assert limits.teams.memberships == {"alice": "acme"}
+        assert dict(limits.share.teams) == {"acme": 2.0}
 
 
 def test_a_lost_message_is_made_good_by_the_periodic_read(redis_url, client):

@@ -16,9 +16,10 @@ requests may be (12 streams are light load), for their time to first token."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,18 @@ HOLD_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 HOLD_TIMEOUT_S = 120.0
 #: How long the watch may lag behind the last response (``Snapshots.finish``).
 FINISH_TIMEOUT_S = 120.0
+#: The saturated teams workload: team ``e2e-one`` is one user with 16 streams,
+#: team ``e2e-four`` four users with 4 streams each, equal team weights.
+TEAM_MEMBERS = {"one-0": "e2e-one", **{f"four-{i}": "e2e-four" for i in range(4)}}
+TEAM_STREAMS = {"one-0": 16, **{f"four-{i}": 4 for i in range(4)}}
+TEAM_TOKENS = 1000
+#: Ours with the teams (rates far above what the engine serves).
+TEAMS_ARGS = (
+    "--output-rate-teams",
+    json.dumps({"e2e-one": 100_000, "e2e-four": 100_000}),
+    "--output-rate-team-members",
+    json.dumps(TEAM_MEMBERS),
+)
 
 
 def switch_fair_share(server: VllmServer, on: bool) -> None:
@@ -315,6 +328,48 @@ async def _held(
         finally:
             (await client.post("/resume")).raise_for_status()
         return list(await asyncio.gather(*requests))
+
+
+def run_held_streams(
+    server: VllmServer, streams: Mapping[str, int], tokens: int
+) -> list[dict[str, int]]:
+    """``streams[user]`` requests of ``tokens`` tokens for each user, queued
+    while the engine is paused and served from one instant on (as
+    ``run_workload(hold=True)``); returns the server's snapshots of the users'
+    counters, taken while they were served."""
+    snapshots = Snapshots(server.control_address or "", list(streams))
+    watcher = threading.Thread(target=snapshots.watch, daemon=True)
+    watcher.start()
+    snapshots.wait_asked()
+    answered: set[str] = set()
+
+    async def held() -> list[Completed]:
+        async with _client(server) as client:
+            paused = await client.post("/pause", params={"mode": "keep"})
+            paused.raise_for_status()
+            try:
+                requests = [
+                    asyncio.ensure_future(_complete(client, server.model, user, tokens))
+                    for user, count in streams.items()
+                    for _ in range(count)
+                ]
+                await _wait_load(client, len(requests), requests)
+            finally:
+                (await client.post("/resume")).raise_for_status()
+            return list(await asyncio.gather(*requests))
+
+    try:
+        completed = asyncio.run(held())
+        answered = {r.user for r in completed}
+        for request in completed:
+            if request.tokens != tokens:
+                raise AssertionError(f"{request}: want {tokens} tokens")
+    finally:
+        try:
+            snapshots.finish(answered)
+        finally:
+            watcher.join()
+    return snapshots.reads
 
 
 async def _wait_load(

@@ -180,3 +180,18 @@ def assert_at_least_the_limit(
     print(f"\n{report}")
     assert interval >= MIN_INTERVAL_S, report  # long enough to say something
     assert got >= floor, report
+
+
+def all_streaming(
+    reads: list[Read], totals: dict[str, int], settle_s: float = 0.0
+) -> tuple[Read, Read]:
+    """The first read ``settle_s`` after the first one that saw every user of
+    ``totals`` charged, and the last before any user's ``totals[user]`` tokens
+    were all charged: every user had a request waiting in between (a request
+    ends only after its last token is charged)."""
+    started = [r for r in reads if all(r.charged[u] >= 1 for u in totals)]
+    assert started, "no read saw every user charged"
+    settled = [r for r in started if r.sent >= started[0].received + settle_s]
+    streaming = [r for r in reads if all(r.charged[u] < totals[u] for u in totals)]
+    assert settled and streaming, "no read while every user streamed"
+    return settled[0], streaming[-1]

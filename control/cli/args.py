@@ -111,6 +111,13 @@ def _tier(raw: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _team(raw: str) -> str:
+    try:
+        return validate_user(raw, field="the team id")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _text(raw: str) -> str:
     """Any well-formed Unicode (argv may hold lone surrogates: undecodable bytes)."""
     if not encodes(raw):
@@ -136,13 +143,73 @@ class _RefuseToken(argparse.Action):
         )
 
 
+def _add_team_commands(teams: argparse.ArgumentParser) -> None:
+    """The subcommands of ``output-rate-ctl teams``."""
+    subcommands = teams.add_subparsers(
+        dest="teams_command", required=True, metavar="TEAMS_COMMAND"
+    )
+
+    def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
+        sub = subcommands.add_parser(name, help=summary, description=summary)
+        sub.set_defaults(run=run)
+        return sub
+
+    command("list", commands.list_teams, "list teams with their member counts")
+    command("get", commands.get_team, "show one team").add_argument("team", type=_team)
+    sub = command(
+        "create", commands.create_team, "create a team: a rate its members share"
+    )
+    sub.add_argument("team", type=_team)
+    sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
+    sub.add_argument(
+        "--weight", type=_weight, metavar="W", help="fair-share weight among teams"
+    )
+    sub = command(
+        "update",
+        commands.update_team,
+        "change a team's rate or weight (members share it from the next step)",
+    )
+    sub.add_argument("team", type=_team)
+    sub.add_argument(
+        "--rate", type=_whole(1, MAX_RATE), metavar="N", help="tokens per second"
+    )
+    weight = sub.add_mutually_exclusive_group()
+    weight.add_argument(
+        "--weight", type=_weight, metavar="W", help="fair-share weight among teams"
+    )
+    weight.add_argument(
+        "--no-weight",
+        dest="weight",
+        action="store_const",
+        const=0.0,
+        help="remove the weight (the team weighs 1)",
+    )
+    sub.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="create the team if there is none (needs --rate)",
+    )
+    sub = command(
+        "delete", commands.delete_team, "delete a team (refused while it has members)"
+    )
+    sub.add_argument("team", type=_team)
+    sub.add_argument(
+        "--allow-missing", action="store_true", help="succeed if there is none"
+    )
+    command(
+        "state",
+        commands.team_state,
+        "show the budget and members of one team, or of all teams",
+    ).add_argument("team", nargs="?", type=_team)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``output-rate-ctl``: each subcommand's ``run`` is its
     ``Command``."""
     parser = _Parser(
         prog="output-rate-ctl",
         description=(
-            "Read and change per-user output-token limits, tiers, exemptions, "
+            "Read and change per-user output-token limits, tiers, teams, exemptions, "
             "fair-share weights, the pacing mode and fair share of a vLLM engine."
         ),
         epilog="Exit status: 0 ok, 1 request refused (status code on stderr), 2 usage.",
@@ -320,6 +387,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--allow-missing", action="store_true", help="succeed if there is none"
     )
+    sub = command("join", commands.join_team, "make a user a member of a team")
+    sub.add_argument("user", type=_user)
+    sub.add_argument("team", type=_team)
+    command("leave", commands.leave_team, "take a user out of its team").add_argument(
+        "user", type=_user
+    )
+    teams = subcommands.add_parser(
+        "teams",
+        help="list, show, create, change and delete teams; show their state",
+        description="Teams: a rate shared by their members (see join, leave).",
+    )
+    _add_team_commands(teams)
     command("get-mode", commands.get_mode, "show the pacing mode")
     command(
         "set-mode",

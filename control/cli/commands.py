@@ -20,17 +20,22 @@ from control import names
 from control.cli.client import EXIT_OK, Client, UsageError
 from control.cli.render import (
     LIMIT_COLUMNS,
+    TEAM_COLUMNS,
+    TEAM_STATE_COLUMNS,
     TIER_COLUMNS,
     emit,
     emit_default,
     emit_limit,
     emit_mode,
+    emit_team,
     emit_tier,
     limit_dict,
     mode_name,
     print_json,
     print_states,
     state_dict,
+    team_dict,
+    team_state_dict,
     tier_dict,
 )
 from control.service.ordering import MAX_PAGE_SIZE
@@ -95,7 +100,13 @@ def _entry_change(
         limit = _update_entry(
             client, args.user, field, value(args), allow_missing=allow_missing
         )
-        if limit.tokens_per_second or limit.tier or limit.exempt or limit.weight:
+        if (
+            limit.tokens_per_second
+            or limit.tier
+            or limit.exempt
+            or limit.weight
+            or limit.team
+        ):
             emit_limit(out, args, limit)
         elif args.json:
             print_json(out, {"deleted": args.user})
@@ -113,6 +124,10 @@ assign = _entry_change(
 unassign = _entry_change("tier", lambda _: "", allow_missing=False)
 exempt = _entry_change("exempt", lambda _: True, allow_missing=True)
 unexempt = _entry_change("exempt", lambda _: False, allow_missing=False)
+join_team = _entry_change(
+    "team", lambda args: names.team_name(args.team), allow_missing=True
+)
+leave_team = _entry_change("team", lambda _: "", allow_missing=False)
 set_weight = _entry_change("weight", lambda args: args.weight, allow_missing=True)
 unset_weight = _entry_change("weight", lambda _: 0.0, allow_missing=False)
 
@@ -128,7 +143,7 @@ def delete_entry(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         print_json(out, {"deleted": args.user})
     else:
         print(
-            f"deleted the entry of {args.user}: limit, tier and exemption "
+            f"deleted the entry of {args.user}: limit, tier, team and exemption "
             "(the default applies)",
             file=out,
         )
@@ -209,6 +224,80 @@ def delete_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         print_json(out, {"deleted_tier": args.tier})
     else:
         print(f"deleted tier {args.tier}", file=out)
+    return EXIT_OK
+
+
+# -- teams --------------------------------------------------------------------
+
+
+def list_teams(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    request = _pb2.ListTeamsRequest(page_size=MAX_PAGE_SIZE)
+    teams = [team_dict(team) for team in client.pages("ListTeams", request, "teams")]
+    emit(out, args, teams, TEAM_COLUMNS)
+    return EXIT_OK
+
+
+def get_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    team = client.call("GetTeam", _pb2.GetTeamRequest(name=names.team_name(args.team)))
+    emit_team(out, args, team)
+    return EXIT_OK
+
+
+def create_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    team = client.call(
+        "CreateTeam",
+        _pb2.CreateTeamRequest(
+            team_id=args.team,
+            team=_pb2.Team(tokens_per_second=args.rate, weight=args.weight or 0.0),
+        ),
+    )
+    emit_team(out, args, team)
+    return EXIT_OK
+
+
+def update_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    team = _pb2.Team(name=names.team_name(args.team))
+    request = _pb2.UpdateTeamRequest(team=team, allow_missing=args.allow_missing)
+    if args.rate is not None:
+        request.team.tokens_per_second = args.rate
+        request.update_mask.paths.append("tokens_per_second")
+    if args.weight is not None:  # --weight W, or --no-weight (0)
+        request.team.weight = args.weight
+        request.update_mask.paths.append("weight")
+    if not request.update_mask.paths:
+        raise UsageError("teams update needs --rate, --weight or --no-weight")
+    emit_team(out, args, client.call("UpdateTeam", request))
+    return EXIT_OK
+
+
+def delete_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    client.call(
+        "DeleteTeam",
+        _pb2.DeleteTeamRequest(
+            name=names.team_name(args.team), allow_missing=args.allow_missing
+        ),
+    )
+    if args.json:
+        print_json(out, {"deleted_team": args.team})
+    else:
+        print(f"deleted team {args.team}", file=out)
+    return EXIT_OK
+
+
+def team_state(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.team is not None:
+        one = client.call(
+            "GetTeamState",
+            _pb2.GetTeamStateRequest(name=names.team_state_name(args.team)),
+        )
+        emit(out, args, [team_state_dict(one)], TEAM_STATE_COLUMNS, single=True)
+        return EXIT_OK
+    request = _pb2.ListTeamStatesRequest(page_size=MAX_PAGE_SIZE)
+    states = [
+        team_state_dict(s)
+        for s in client.pages("ListTeamStates", request, "team_states")
+    ]
+    emit(out, args, states, TEAM_STATE_COLUMNS)
     return EXIT_OK
 
 

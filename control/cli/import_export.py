@@ -1,5 +1,5 @@
 """``output-rate-ctl export`` and ``import``: the whole limits table (default,
-user entries, tiers) to and from a JSON or YAML file.
+user entries, tiers, teams) to and from a JSON or YAML file.
 
 Invariant: an import replaces the table in one ``ReplaceLimitsTable`` call,
 guarded by the file's etag (for a file with neither etag nor default, by the
@@ -17,7 +17,14 @@ from typing import TextIO
 
 from control import names
 from control.cli.client import EXIT_OK, Client, UsageError
-from control.cli.render import encodes, limit_dict, print_error, print_json, tier_dict
+from control.cli.render import (
+    encodes,
+    limit_dict,
+    print_error,
+    print_json,
+    team_dict,
+    tier_dict,
+)
 from control.errors import InvalidArgument
 from control.table import TableDocument, dumps, format_of, loads
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
@@ -27,6 +34,7 @@ def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     table = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
     entries = [limit_dict(limit) for limit in table.limits]
     tiers = [tier_dict(tier) for tier in table.tiers]
+    teams = [team_dict(team) for team in table.teams]
     doc = TableDocument(
         default_rate=table.default_tokens_per_second or None,
         user_rates={
@@ -45,6 +53,9 @@ def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         exempt_users=frozenset(e["user"] for e in entries if e["exempt"]),
         user_weights={e["user"]: e["weight"] for e in entries if e["weight"]},
         tier_weights={t["tier"]: t["weight"] for t in tiers if t["weight"]},
+        team_rates={t["team"]: t["tokens_per_second"] for t in teams},
+        team_members={e["user"]: e["team"] for e in entries if e["team"] is not None},
+        team_weights={t["team"]: t["weight"] for t in teams if t["weight"]},
     )
     if args.file in (None, "-"):
         out.write(dumps(doc, "json"))
@@ -55,7 +66,8 @@ def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         except OSError as exc:
             raise UsageError(f"cannot write {args.file}: {exc.strerror}") from None
         print(
-            f"exported {len(entries)} entries and {len(tiers)} tiers to {args.file}",
+            f"exported {len(entries)} entries, {len(tiers)} tiers and "
+            f"{len(teams)} teams to {args.file}",
             file=sys.stderr,
         )
     return EXIT_OK
@@ -100,6 +112,11 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
                         ),
                         exempt=user in doc.exempt_users,
                         weight=doc.user_weights.get(user, 0.0),
+                        team=(
+                            names.team_name(doc.team_members[user])
+                            if user in doc.team_members
+                            else ""
+                        ),
                     )
                     for user in sorted(doc.users())
                 ],
@@ -111,6 +128,14 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
                         weight=doc.tier_weights.get(tier, 0.0),
                     )
                     for tier in sorted(doc.tiers)
+                ],
+                teams=[
+                    _pb2.Team(
+                        name=names.team_name(team),
+                        tokens_per_second=rate,
+                        weight=doc.team_weights.get(team, 0.0),
+                    )
+                    for team, rate in sorted(doc.team_rates.items())
                 ],
                 etag=etag,
             )
@@ -126,12 +151,16 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             f"note: {source} names fair_share, which import leaves as it is; "
             "use set-fair-share to change it"
         )
-    entries, tiers = len(table.limits), len(table.tiers)
+    entries, tiers, teams = len(table.limits), len(table.tiers), len(table.teams)
     if args.json:
-        print_json(out, {"imported": entries, "tiers": tiers, "etag": table.etag})
+        print_json(
+            out,
+            {"imported": entries, "tiers": tiers, "teams": teams, "etag": table.etag},
+        )
     else:
         print(
-            f"imported {entries} entries and {tiers} tiers; etag {table.etag}",
+            f"imported {entries} entries, {tiers} tiers and {teams} teams; "
+            f"etag {table.etag}",
             file=out,
         )
     return EXIT_OK

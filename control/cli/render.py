@@ -56,6 +56,7 @@ LIMIT_COLUMNS = (
     ("TIER", "tier"),
     ("EXEMPT", "exempt"),
     ("WEIGHT", "weight"),
+    ("TEAM", "team"),
 )
 TIER_COLUMNS = (
     ("TIER", "tier"),
@@ -63,6 +64,26 @@ TIER_COLUMNS = (
     ("EXEMPT", "exempt"),
     ("WEIGHT", "weight"),
     ("MEMBERS", "member_count"),
+)
+TEAM_COLUMNS = (
+    ("TEAM", "team"),
+    ("TOKENS/S", "tokens_per_second"),
+    ("WEIGHT", "weight"),
+    ("MEMBERS", "member_count"),
+)
+TEAM_STATE_COLUMNS = (
+    ("TEAM", "team"),
+    ("TOKENS/S", "tokens_per_second"),
+    ("BUDGET", "budget_tokens"),
+    ("NEXT_IN", "next_token_in_s"),
+    ("TAT_LEAD", "tat_lead_s"),
+    ("MEMBERS", "member_count"),
+    ("RUNNING", "running_members"),
+    ("THROTTLED", "throttled_members"),
+    ("CHARGED", "tokens_charged"),
+    ("BOUND", "throttled_steps"),
+    ("WEIGHT", "weight"),
+    ("SERVICE", "fair_share_service"),
 )
 
 
@@ -76,6 +97,7 @@ def limit_dict(limit: _pb2.Limit) -> dict[str, Any]:
         "tier": names.tier_id(limit.tier) or None,
         "exempt": limit.exempt,
         "weight": limit.weight or None,
+        "team": names.team_id(limit.team) or None,
     }
 
 
@@ -86,6 +108,32 @@ def tier_dict(tier: _pb2.Tier) -> dict[str, Any]:
         "exempt": tier.exempt,
         "weight": tier.weight or None,
         "member_count": tier.member_count,
+    }
+
+
+def team_dict(team: _pb2.Team) -> dict[str, Any]:
+    return {
+        "team": names.team_id(team.name),
+        "tokens_per_second": team.tokens_per_second,
+        "weight": team.weight or None,
+        "member_count": team.member_count,
+    }
+
+
+def team_state_dict(state: _pb2.TeamState) -> dict[str, Any]:
+    return {
+        "team": state.team,
+        "tokens_per_second": state.tokens_per_second,
+        "budget_tokens": state.budget_tokens,
+        "next_token_in_s": state.next_token_in.ToNanoseconds() / 1e9,
+        "tat_lead_s": state.tat_lead.ToNanoseconds() / 1e9,
+        "member_count": state.member_count,
+        "running_members": state.running_members,
+        "throttled_members": state.throttled_members,
+        "tokens_charged": state.tokens_charged,
+        "throttled_steps": state.throttled_steps,
+        "weight": state.weight,
+        "fair_share_service": state.fair_share_service,
     }
 
 
@@ -159,6 +207,10 @@ def emit_limit(out: TextIO, args: argparse.Namespace, limit: _pb2.Limit) -> None
 
 def emit_tier(out: TextIO, args: argparse.Namespace, tier: _pb2.Tier) -> None:
     emit(out, args, [tier_dict(tier)], TIER_COLUMNS, single=True)
+
+
+def emit_team(out: TextIO, args: argparse.Namespace, team: _pb2.Team) -> None:
+    emit(out, args, [team_dict(team)], TEAM_COLUMNS, single=True)
 
 
 def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> None:

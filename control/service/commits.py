@@ -11,6 +11,8 @@ new table and mode (``persist``), apply the change to the limiter (or the mode
 to the shared limiter) and bump the etag under the shared limiter's lock, then
 ``wake()`` the engine. A failed write applies nothing.
 
+The teams (rates and memberships) are part of every document too and apply to
+the shared limiter's ``Teams`` in the same hold of its lock (``TeamsApply``).
 The table's fair-share weights and the fair-share switch (``SharePolicy``) are
 part of every document and apply to the shared limiter's ledger with the rest;
 a document that switches fair share on where the engine refuses it
@@ -47,9 +49,12 @@ from pacing import global_limits
 from pacing.fair_share_policy import apply_policy
 from pacing.limiter import OutputRateLimiter
 from pacing.shared import SharedLimiter
+from pacing.teams import Teams
 
 #: Applies a change to the limiter at ``now_ns``; runs under the shared lock.
 Apply = Callable[[OutputRateLimiter, int], None]
+#: Applies a change to the teams at ``now_ns``; runs under the shared lock.
+TeamsApply = Callable[[Teams, int], None]
 
 
 class TableCommits:
@@ -100,6 +105,7 @@ class TableCommits:
         copies (default None while pacing is off). Requires shared.lock."""
         limiter = self.shared.limiter
         ledger = self.shared.fair_share
+        teams = self.shared.teams.table
         return TableDocument(
             default_rate=limiter.default_rate,
             user_rates=limiter.user_rates,
@@ -111,13 +117,22 @@ class TableCommits:
             user_weights=dict(ledger.weights.users),
             tier_weights=dict(ledger.weights.tiers),
             fair_share=ledger.enabled,
+            team_rates=teams.rates,
+            team_members=teams.memberships,
+            team_weights=dict(ledger.weights.teams),
         )
 
     def commit(
-        self, doc: TableDocument, apply: Apply | None, *, table: bool = True
+        self,
+        doc: TableDocument,
+        apply: Apply | None,
+        *,
+        table: bool = True,
+        teams: TeamsApply | None = None,
     ) -> str:
-        """Persists ``doc`` (the whole new table and mode), applies it and
-        announces it; returns the table's etag. Requires self.changes."""
+        """Persists ``doc`` (the whole new table and mode), applies it (``apply``
+        to the limiter, ``teams`` to the teams) and announces it; returns the
+        table's etag. Requires self.changes."""
         self.check_fair_share(doc, field=f"pacing_mode.{FAIR_SHARE_KEY}")
         backend = self._hub.backend
         if backend is not None or self._global_store:
@@ -125,7 +140,7 @@ class TableCommits:
                 self._publish(backend, doc)
             except global_limits.LimitsNotSaved as exc:
                 # Every engine's table now: applied here too, but not acknowledged.
-                self.apply(doc, apply, table=table)
+                self.apply(doc, apply, table=table, teams=teams)
                 self.shared.wake()
                 raise Unavailable(
                     f"{exc}: it is applied, but would not survive the store losing "
@@ -138,7 +153,7 @@ class TableCommits:
                 raise Unavailable(
                     f"the change was not applied: writing the config file failed: {exc}"
                 ) from None
-        etag = self.apply(doc, apply, table=table)
+        etag = self.apply(doc, apply, table=table, teams=teams)
         self.shared.wake()
         return etag
 
@@ -149,15 +164,26 @@ class TableCommits:
         if doc.fair_share and refusal is not None:
             raise FailedPrecondition(f"{field}: fair share cannot run here: {refusal}")
 
-    def apply(self, doc: TableDocument, apply: Apply | None, *, table: bool) -> str:
-        """Runs ``apply`` on the limiter, makes ``doc.mode`` the mode and its
-        weights and switch (when given) the ledger's and, for a change of the
-        table, bumps the etag; returns it. Requires self.changes."""
+    def apply(
+        self,
+        doc: TableDocument,
+        apply: Apply | None,
+        *,
+        table: bool,
+        teams: TeamsApply | None = None,
+    ) -> str:
+        """Runs ``apply`` on the limiter and ``teams`` on the teams, makes
+        ``doc.mode`` the mode and its weights and switch (when given) the
+        ledger's and, for a change of the table, bumps the etag; returns it.
+        Requires self.changes."""
         shared = self.shared
         policy = doc.share_policy(shared.fair_share.enabled)
         with shared.lock:
+            now_ns = shared.clock()
             if apply is not None:
-                apply(shared.limiter, shared.clock())
+                apply(shared.limiter, now_ns)
+            if teams is not None:
+                teams(shared.teams, now_ns)
             if doc.mode is not None:
                 shared.mode = doc.mode
             apply_policy(shared.fair_share, policy)
@@ -181,6 +207,7 @@ class TableCommits:
                 doc.limit_table(),
                 doc.mode,
                 doc.share_policy(self.shared.fair_share.enabled),
+                doc.team_table(),
             )
         except global_limits.LimitsConflict:
             raise Aborted(

@@ -4,12 +4,13 @@ the runner and the config-file persistence call.
 ``LimitsService`` holds the table's commit machinery (``commits``) and the page
 tokens, and hands each operation to the module of its concern:
 
-- ``reads``: the default, entries, tiers, the mode, the whole table;
-- ``writes``: changes of the default, an entry, a tier or the mode;
+- ``reads``: the default, entries, tiers, teams, the mode, the whole table;
+- ``writes``: changes of the default, an entry, a tier, a team or the mode;
 - ``table_writes``: replacing the whole table, reloading it from the config
   file;
 - ``write_requests``: the checks of a write request's own fields;
 - ``user_states``: per-user state reads and watches;
+- ``team_states``: per-team state reads;
 - ``commits``: the locks, the durable write or global publication, the apply
   and the table etag that every change goes through;
 - ``resources``: what the operations take and return, with their etags;
@@ -32,11 +33,14 @@ from control.resources import (
     LimitSpec,
     LimitsTable,
     PacingMode,
+    Team,
+    TeamSpec,
+    TeamState,
     Tier,
     TierSpec,
     UserState,
 )
-from control.service import reads, table_writes, user_states, writes
+from control.service import reads, table_writes, team_states, user_states, writes
 from control.service.commits import TableCommits
 from control.service.user_states import (
     WatchPlan,
@@ -106,6 +110,7 @@ class LimitsService:
         tier: str = "",
         exempt: bool = False,
         weight: float = 0.0,
+        team: str = "",
     ) -> Limit:
         """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
         return writes.create_limit(
@@ -115,6 +120,7 @@ class LimitsService:
             tier=tier,
             exempt=exempt,
             weight=weight,
+            team=team,
         )
 
     def update_limit(
@@ -128,6 +134,7 @@ class LimitsService:
         exempt: bool = False,
         etag: str = "",
         weight: float = 0.0,
+        team: str = "",
     ) -> Limit:
         """Changes the fields of entry ``name`` that ``update_mask`` selects;
         see ``writes.update_limit``."""
@@ -141,6 +148,7 @@ class LimitsService:
             exempt=exempt,
             etag=etag,
             weight=weight,
+            team=team,
         )
 
     def delete_limit(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
@@ -199,6 +207,63 @@ class LimitsService:
         """Removes tier ``name``; FailedPrecondition while it has members."""
         writes.delete_tier(self._commits, name, allow_missing=allow_missing, etag=etag)
 
+    # -- teams -------------------------------------------------------------
+
+    def get_team(self, name: str) -> Team:
+        """The team named ``teams/{team}``; NotFound without one."""
+        return reads.get_team(self._commits, name)
+
+    def list_teams(self, page_size: int, page_token: str) -> tuple[list[Team], str]:
+        """One page of teams in team id order, and the next page's token (""
+        on the last page)."""
+        return reads.list_teams(self._commits, self._tokens, page_size, page_token)
+
+    def create_team(
+        self, team_id: str, tokens_per_second: int, weight: float = 0.0
+    ) -> Team:
+        """Creates team ``team_id``; AlreadyExists if it exists."""
+        return writes.create_team(self._commits, team_id, tokens_per_second, weight)
+
+    def update_team(
+        self,
+        name: str,
+        tokens_per_second: int,
+        update_mask: Sequence[str],
+        *,
+        allow_missing: bool,
+        etag: str = "",
+        weight: float = 0.0,
+    ) -> Team:
+        """Changes the fields of team ``name`` that ``update_mask`` selects;
+        see ``writes.update_team``."""
+        return writes.update_team(
+            self._commits,
+            name,
+            tokens_per_second,
+            update_mask,
+            allow_missing=allow_missing,
+            etag=etag,
+            weight=weight,
+        )
+
+    def delete_team(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
+        """Removes team ``name``; FailedPrecondition while it has members."""
+        writes.delete_team(self._commits, name, allow_missing=allow_missing, etag=etag)
+
+    def get_team_state(self, name: str) -> TeamState:
+        """The state of the team named ``teamStates/{team}``; NotFound when
+        there is no such team."""
+        return team_states.get_team_state(self._shared, name)
+
+    def list_team_states(
+        self, page_size: int, page_token: str
+    ) -> tuple[list[TeamState], str]:
+        """One page of team states in team id order, and the next page's token
+        ("" on the last page)."""
+        return team_states.list_team_states(
+            self._shared, self._tokens, page_size, page_token
+        )
+
     # -- the pacing mode and the fair-share switch --------------------------
 
     def get_pacing_mode(self, name: str) -> PacingMode:
@@ -232,7 +297,8 @@ class LimitsService:
     # -- the whole table ---------------------------------------------------
 
     def get_limits_table(self, name: str) -> LimitsTable:
-        """The default, every entry and every tier, with the current etag."""
+        """The default, every entry, every tier and every team, with the
+        current etag."""
         return reads.get_limits_table(self._commits, name)
 
     def replace_limits_table(
@@ -241,12 +307,13 @@ class LimitsService:
         limits: Iterable[LimitSpec],
         etag: str,
         tiers: Iterable[TierSpec] = (),
+        teams: Iterable[TeamSpec] = (),
     ) -> LimitsTable:
-        """Replaces the default, all entries and all tiers, weights included, at
-        once (not the mode nor the fair-share switch); Aborted when ``etag`` is
-        not empty and not the current etag."""
+        """Replaces the default, all entries, all tiers and all teams, weights
+        included, at once (not the mode nor the fair-share switch); Aborted
+        when ``etag`` is not empty and not the current etag."""
         return table_writes.replace_limits_table(
-            self._commits, default_tokens_per_second, limits, etag, tiers
+            self._commits, default_tokens_per_second, limits, etag, tiers, teams
         )
 
     def reload(self, read: Callable[[], TableDocument | None]) -> bool:

@@ -1,6 +1,6 @@
 """Reads of the limits table: the default, one entry or a page of them, one
-tier or a page of them, the pacing mode with the fair-share switch, the whole
-table.
+tier or a page of them, one team or a page of them, the pacing mode with the
+fair-share switch, the whole table.
 
 Invariant: each read takes what it returns from the limiter under one hold of
 ``shared.lock``, so it never shows half of a change; a list copies the table
@@ -18,13 +18,16 @@ from control.resources import (
     Limit,
     LimitsTable,
     PacingMode,
+    Team,
     Tier,
     entry,
     entry_of,
     no_limit,
+    no_team,
     no_tier,
     pacing_mode,
     table_of,
+    team_of,
     tier_of,
 )
 from control.service.commits import TableCommits
@@ -51,6 +54,7 @@ def get_limit(commits: TableCommits, name: str) -> Limit:
                 limiter.tier_of(user),
                 user in limiter.exempt_users,
                 commits.shared.fair_share.weights.users.get(user),
+                commits.shared.teams.table.team_of(user),
             ),
         )
     if limit is None:
@@ -101,6 +105,32 @@ def list_tiers(
     token = tokens.encode("tiers", [page[-1]]) if len(tiers) > size else ""
     members = Counter(doc.memberships.values())
     return [tier_of(commits.etags, doc, tier, members) for tier in page], token
+
+
+def get_team(commits: TableCommits, name: str) -> Team:
+    """The team named ``teams/{team}``; NotFound without one."""
+    team = names.parse_team(name, field="name")
+    with commits.shared.lock:
+        doc = commits.current_locked()
+    if team not in doc.team_rates:
+        raise no_team(team)
+    return team_of(commits.etags, doc, team, Counter(doc.team_members.values()))
+
+
+def list_teams(
+    commits: TableCommits, tokens: PageTokens, requested_size: int, page_token: str
+) -> tuple[list[Team], str]:
+    """One page of teams in team id order, and the next page's token (""
+    on the last page)."""
+    size = page_size(requested_size)
+    after = resume(tokens, "teams", page_token)
+    with commits.shared.lock:
+        doc = commits.current_locked()
+    teams = sorted(t for t in doc.team_rates if after is None or t > after[0])
+    page = teams[:size]
+    token = tokens.encode("teams", [page[-1]]) if len(teams) > size else ""
+    members = Counter(doc.team_members.values())
+    return [team_of(commits.etags, doc, team, members) for team in page], token
 
 
 def get_pacing_mode(commits: TableCommits, name: str) -> PacingMode:

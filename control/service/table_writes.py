@@ -2,13 +2,13 @@
 reloading it from the config file.
 
 A replacement is checked on its own first (``parse_table``: ids, duplicates,
-rates, memberships, sizes), then against the table etag under
+rates, memberships of tiers and teams, sizes), then against the table etag under
 ``commits.changes``, and committed as one new table; a reload is applied
 without being persisted, since it came from the config file.
 
-Invariant: the limiter takes a new whole table in one apply under
-``shared.lock`` (``_replace_with``), so no read sees part of an old table and
-part of a new one.
+Invariant: the limiter and the teams take a new whole table in one apply under
+``shared.lock`` (``_replace_with``, ``_replace_teams``), so no read sees part
+of an old table and part of a new one.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 
 from control import names
 from control.errors import Aborted, InvalidArgument
-from control.resources import LimitSpec, LimitsTable, TierSpec, table_of
-from control.service.commits import Apply, TableCommits
+from control.resources import LimitSpec, LimitsTable, TeamSpec, TierSpec, table_of
+from control.service.commits import Apply, TableCommits, TeamsApply
 from control.service.write_requests import entry_rate
 from control.table import (
     FAIR_SHARE_KEY,
@@ -31,12 +31,14 @@ from control.table import (
     shown,
 )
 from pacing.limiter import OutputRateLimiter
+from pacing.teams import Teams, TeamTable
 
 
 def parse_table(
     default_tokens_per_second: int,
     limits: Iterable[LimitSpec],
     tiers: Iterable[TierSpec],
+    teams: Iterable[TeamSpec] = (),
 ) -> TableDocument:
     """The table a ``ReplaceLimitsTable`` request holds, checked on its own
     (ids, duplicates, rates, weights, memberships, sizes); its mode and
@@ -65,6 +67,23 @@ def parse_table(
         if spec.exempt:
             exempt_tiers.add(tier)
     check_tier_count(len(seen_tiers))
+    team_rates: dict[str, int] = {}
+    team_weights: dict[str, float] = {}
+    for index, team_spec in enumerate(teams):
+        where = f"limits_table.teams[{index}]"
+        team = names.parse_team(team_spec.name, field=f"{where}.name")
+        if team in team_rates:
+            raise InvalidArgument(
+                f"{where}.name: {shown(names.team_name(team))} appears more than once"
+            )
+        team_rates[team] = check_rate(
+            team_spec.tokens_per_second, field=f"{where}.tokens_per_second"
+        )
+        team_weight = check_weight(team_spec.weight, field=f"{where}.weight")
+        if team_weight is not None:
+            team_weights[team] = team_weight
+    check_tier_count(len(team_rates))
+    team_members: dict[str, str] = {}
     users: dict[str, int] = {}
     user_weights: dict[str, float] = {}
     memberships: dict[str, str] = {}
@@ -81,7 +100,7 @@ def parse_table(
         weight = check_weight(entry.weight, field=f"{where}.weight")
         rate = entry_rate(
             entry.tokens_per_second,
-            bool(entry.tier) or entry.exempt or weight is not None,
+            bool(entry.tier) or bool(entry.team) or entry.exempt or weight is not None,
             where,
         )
         if rate is not None:
@@ -96,6 +115,14 @@ def parse_table(
                     "limits_table.tiers"
                 )
             memberships[user] = tier
+        if entry.team:
+            team = names.parse_team(entry.team, field=f"{where}.team")
+            if team not in team_rates:
+                raise InvalidArgument(
+                    f"{where}.team: {shown(entry.team)} is not one of "
+                    "limits_table.teams"
+                )
+            team_members[user] = team
         if entry.exempt:
             exempt_users.add(user)
     check_table_size(len(seen_users))
@@ -108,6 +135,9 @@ def parse_table(
         exempt_users=frozenset(exempt_users),
         user_weights=user_weights,
         tier_weights=tier_weights,
+        team_rates=team_rates,
+        team_members=team_members,
+        team_weights=team_weights,
     )
 
 
@@ -117,11 +147,12 @@ def replace_limits_table(
     limits: Iterable[LimitSpec],
     etag: str,
     tiers: Iterable[TierSpec],
+    teams: Iterable[TeamSpec] = (),
 ) -> LimitsTable:
-    """Replaces the default, all entries and all tiers, weights included, at
-    once (not the mode nor the fair-share switch); Aborted when ``etag`` is not
-    empty and not the current etag."""
-    table = parse_table(default_tokens_per_second, limits, tiers)
+    """Replaces the default, all entries, all tiers and all teams, weights
+    included, at once (not the mode nor the fair-share switch); Aborted when
+    ``etag`` is not empty and not the current etag."""
+    table = parse_table(default_tokens_per_second, limits, tiers, teams)
     with commits.changes:
         if etag and etag != commits.etag():
             raise Aborted(
@@ -132,7 +163,9 @@ def replace_limits_table(
         doc = dataclasses.replace(
             table, mode=current.mode, fair_share=current.fair_share
         )
-        new_etag = commits.commit(doc, _replace_with(doc))
+        new_etag = commits.commit(
+            doc, _replace_with(doc), teams=_replace_teams(doc, current)
+        )
     return table_of(commits.etags, doc, new_etag)
 
 
@@ -167,7 +200,10 @@ def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> b
             return False
         commits.check_fair_share(doc, field=FAIR_SHARE_KEY)
         commits.apply(
-            doc, _replace_with(doc) if table_changed else None, table=table_changed
+            doc,
+            _replace_with(doc) if table_changed else None,
+            table=table_changed,
+            teams=_replace_teams(doc, current),
         )
     commits.shared.wake()
     return True
@@ -183,5 +219,21 @@ def _replace_with(doc: TableDocument) -> Apply:
         if default is not None and default != limiter.default_rate:
             limiter.set_default_rate(default, now_ns)
         limiter.replace_limits(table, now_ns)
+
+    return apply
+
+
+def _replace_teams(doc: TableDocument, current: TableDocument) -> TeamsApply | None:
+    """Makes the teams of ``doc`` the teams (the table built here, off the
+    scheduler lock); None when they are those of ``current``."""
+    if (doc.team_rates, doc.team_members) == (
+        current.team_rates,
+        current.team_members,
+    ):
+        return None
+    table = TeamTable(doc.team_rates, doc.team_members)
+
+    def apply(teams: Teams, now_ns: int) -> None:
+        teams.replace(table, now_ns)
 
     return apply

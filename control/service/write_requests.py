@@ -16,8 +16,9 @@ from control.table import check_rate, shown
 #: Update-mask paths: the rate is the only mutable field of ``DefaultLimit``.
 RATE_FIELD = "tokens_per_second"
 WEIGHT_FIELD = "weight"
-LIMIT_FIELDS = (RATE_FIELD, "tier", "exempt", WEIGHT_FIELD)
+LIMIT_FIELDS = (RATE_FIELD, "tier", "exempt", WEIGHT_FIELD, "team")
 TIER_FIELDS = (RATE_FIELD, "exempt", WEIGHT_FIELD)
+TEAM_FIELDS = (RATE_FIELD, WEIGHT_FIELD)
 MODE_FIELDS = ("mode", "fair_share")
 
 

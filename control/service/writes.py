@@ -1,6 +1,7 @@
 """Changes of one part of the limits table, or of the mode: the default, one
-entry (its weight included), one tier (its weight included), the mode and the
-fair-share switch. Changes of the whole table are in ``table_writes``.
+entry (its weight and team included), one tier (its weight included), one team
+(its weight included), the mode and the fair-share switch. Changes of the whole
+table are in ``table_writes``.
 
 Each change checks its request's own fields first (``write_requests``), then,
 holding ``commits.changes``, checks it against the table in force (existence,
@@ -9,7 +10,7 @@ etag, room, tiers) and commits the whole new table through
 
 Invariant: every check runs before ``TableCommits.commit``, so a refused
 change leaves the table, the mode and their etags as they were; and no change
-leaves a user in a tier that does not exist, nor a weight for one.
+leaves a user in a tier or team that does not exist, nor a weight for one.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from control.resources import (
     EntryFields,
     Limit,
     PacingMode,
+    Team,
     Tier,
     check_etag,
     entry,
     entry_fields,
     no_limit,
+    no_team,
     no_tier,
     pacing_mode,
 )
@@ -43,6 +46,7 @@ from control.service.write_requests import (
     LIMIT_FIELDS,
     MODE_FIELDS,
     RATE_FIELD,
+    TEAM_FIELDS,
     TIER_FIELDS,
     WEIGHT_FIELD,
     entry_rate,
@@ -54,6 +58,7 @@ from control.table import (
     MAX_TIERS,
     TableDocument,
     check_rate,
+    check_team,
     check_tier,
     check_user,
     check_weight,
@@ -61,6 +66,7 @@ from control.table import (
 )
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
+from pacing.teams import Teams
 
 
 def update_default_limit(
@@ -84,16 +90,18 @@ def create_limit(
     tier: str,
     exempt: bool,
     weight: float = 0.0,
+    team: str = "",
 ) -> Limit:
     """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
     user = check_user(limit_id, field="limit_id")
     own_weight = check_weight(weight, field="limit.weight")
     rate = entry_rate(
         tokens_per_second,
-        bool(tier) or exempt or own_weight is not None,
+        bool(tier) or bool(team) or exempt or own_weight is not None,
         "limit",
     )
     tier_id = names.parse_tier(tier, field="limit.tier") if tier else None
+    team_id = names.parse_team(team, field="limit.team") if team else None
     with commits.changes:
         doc = commits.current()
         if user in doc.users():
@@ -101,8 +109,11 @@ def create_limit(
                 f"{shown(names.limit_name(user))} exists; use UpdateLimit"
             )
         _check_tier_exists(doc, tier_id, field="limit.tier")
+        _check_team_exists(doc, team_id, field="limit.team")
         _check_room(len(doc.users()) + 1)
-        return _commit_entry(commits, doc, user, (rate, tier_id, exempt, own_weight))
+        return _commit_entry(
+            commits, doc, user, (rate, tier_id, exempt, own_weight, team_id)
+        )
 
 
 def update_limit(
@@ -116,6 +127,7 @@ def update_limit(
     exempt: bool,
     etag: str,
     weight: float = 0.0,
+    team: str = "",
 ) -> Limit:
     """Changes the fields of entry ``name`` that ``update_mask`` selects
     (empty: those set, see the proto); creates it with ``allow_missing``. An
@@ -127,6 +139,7 @@ def update_limit(
             "tier": bool(tier),
             "exempt": exempt,
             WEIGHT_FIELD: weight != 0,
+            "team": bool(team),
         }
     )
     fields = mask_fields(update_mask, LIMIT_FIELDS, given)
@@ -141,20 +154,25 @@ def update_limit(
     own_weight = None
     if WEIGHT_FIELD in fields:
         own_weight = check_weight(weight, field="limit.weight")
+    team_id = None
+    if "team" in fields and team:
+        team_id = names.parse_team(team, field="limit.team")
     with commits.changes:
         doc = commits.current()
         current = entry_fields(doc, user)
         if current is None and not allow_missing:
             raise no_limit(user)
         check_etag(etag, commits.etags.limit(user, current), names.limit_name(user))
-        old_rate, old_tier, old_exempt, old_weight = current or NO_ENTRY
+        old_rate, old_tier, old_exempt, old_weight, old_team = current or NO_ENTRY
         new = (
             rate if RATE_FIELD in fields else old_rate,
             tier_id if "tier" in fields else old_tier,
             exempt if "exempt" in fields else old_exempt,
             own_weight if WEIGHT_FIELD in fields else old_weight,
+            team_id if "team" in fields else old_team,
         )
         _check_tier_exists(doc, new[1], field="limit.tier")
+        _check_team_exists(doc, new[4], field="limit.team")
         if current is None:
             if new == NO_ENTRY:
                 return Limit(user, 0)  # nothing to create
@@ -283,6 +301,87 @@ def delete_tier(
         _commit_tier(commits, doc, tier, None, False, None)
 
 
+def create_team(
+    commits: TableCommits, team_id: str, tokens_per_second: int, weight: float = 0.0
+) -> Team:
+    """Creates team ``team_id``; AlreadyExists if it exists."""
+    team = check_team(team_id, field="team_id")
+    own_weight = check_weight(weight, field="team.weight")
+    rate = check_rate(tokens_per_second, field="team.tokens_per_second")
+    with commits.changes:
+        doc = commits.current()
+        if team in doc.team_rates:
+            raise AlreadyExists(
+                f"{shown(names.team_name(team))} exists; use UpdateTeam"
+            )
+        _check_team_room(doc)
+        return _commit_team(commits, doc, team, rate, own_weight)
+
+
+def update_team(
+    commits: TableCommits,
+    name: str,
+    tokens_per_second: int,
+    update_mask: Sequence[str],
+    *,
+    allow_missing: bool,
+    etag: str,
+    weight: float = 0.0,
+) -> Team:
+    """Changes the fields of team ``name`` that ``update_mask`` selects
+    (empty: those set, see the proto); creates it with ``allow_missing``. The
+    rate cannot be cleared (DeleteTeam removes a team)."""
+    team = names.parse_team(name, field="team.name")
+    given = set_fields({RATE_FIELD: tokens_per_second != 0, WEIGHT_FIELD: weight != 0})
+    fields = mask_fields(update_mask, TEAM_FIELDS, given)
+    rate: int | None = None
+    if RATE_FIELD in fields:
+        rate = check_rate(tokens_per_second, field="team.tokens_per_second")
+    own_weight = None
+    if WEIGHT_FIELD in fields:
+        own_weight = check_weight(weight, field="team.weight")
+    with commits.changes:
+        doc = commits.current()
+        current_rate = doc.team_rates.get(team)
+        current_weight = doc.team_weights.get(team)
+        if current_rate is None:
+            if not allow_missing:
+                raise no_team(team)
+            _check_team_room(doc)
+        check_etag(
+            etag,
+            ""
+            if current_rate is None
+            else commits.etags.team(team, current_rate, current_weight),
+            names.team_name(team),
+        )
+        new_rate = rate if rate is not None else current_rate
+        if new_rate is None:
+            raise InvalidArgument(
+                f"team.tokens_per_second: {shown(names.team_name(team))} does not "
+                "exist; creating it needs a rate"
+            )
+        new_weight = own_weight if WEIGHT_FIELD in fields else current_weight
+        return _commit_team(commits, doc, team, new_rate, new_weight)
+
+
+def delete_team(
+    commits: TableCommits, name: str, *, allow_missing: bool, etag: str
+) -> None:
+    """Removes team ``name``; FailedPrecondition while it has members."""
+    team = names.parse_team(name, field="name")
+    with commits.changes:
+        doc = commits.current()
+        rate = doc.team_rates.get(team)
+        if rate is None:
+            if allow_missing:
+                return
+            raise no_team(team)
+        current = commits.etags.team(team, rate, doc.team_weights.get(team))
+        check_etag(etag, current, names.team_name(team))
+        _commit_team(commits, doc, team, None, None)
+
+
 def update_pacing_mode(
     commits: TableCommits,
     name: str,
@@ -321,13 +420,14 @@ def _commit_entry(
 ) -> Limit:
     """Commits ``user``'s new entry (all None/False: removed). Requires
     commits.changes."""
-    rate, tier, exempt, weight = fields
+    rate, tier, exempt, weight, team = fields
     users, memberships = dict(doc.user_rates), dict(doc.memberships)
-    weights = dict(doc.user_weights)
+    weights, team_members = dict(doc.user_weights), dict(doc.team_members)
     exempt_users = set(doc.exempt_users)
     _put(users, user, rate)
     _put(memberships, user, tier)
     _put(weights, user, weight)
+    _put(team_members, user, team)
     if exempt:
         exempt_users.add(user)
     else:
@@ -338,6 +438,7 @@ def _commit_entry(
         memberships=memberships,
         exempt_users=frozenset(exempt_users),
         user_weights=weights,
+        team_members=team_members,
     )
 
     def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
@@ -349,8 +450,43 @@ def _commit_entry(
         if not exempt:
             limiter.set_user_exempt(user, False, now_ns)
 
-    commits.commit(new, apply)
+    def apply_team(teams: Teams, now_ns: int) -> None:
+        teams.set_membership(user, team, now_ns)
+
+    moved = doc.team_members.get(user) != team
+    commits.commit(new, apply, teams=apply_team if moved else None)
     return entry(commits.etags, user, fields) or Limit(user, 0)
+
+
+def _commit_team(
+    commits: TableCommits,
+    doc: TableDocument,
+    team: str,
+    rate: int | None,
+    weight: float | None,
+) -> Team:
+    """Commits ``team``'s new rate and weight (None and None: removed;
+    FailedPrecondition while it has members). Requires commits.changes."""
+    members = sum(1 for t in doc.team_members.values() if t == team)
+    if rate is None and members:
+        raise FailedPrecondition(
+            f"{shown(names.team_name(team))} has {members} member(s): move "
+            "them to another team (or take them out of it) first"
+        )
+    rates, weights = dict(doc.team_rates), dict(doc.team_weights)
+    _put(rates, team, rate)
+    _put(weights, team, weight)
+    new = dataclasses.replace(doc, team_rates=rates, team_weights=weights)
+
+    def apply(teams: Teams, now_ns: int) -> None:
+        teams.set_rate(team, rate, now_ns)
+
+    changed = doc.team_rates.get(team) != rate
+    commits.commit(new, None, teams=apply if changed else None)
+    if rate is None:
+        return Team(team, 0)
+    etag = commits.etags.team(team, rate, weight)
+    return Team(team, rate, weight or 0.0, members, etag)
 
 
 def _commit_tier(
@@ -421,6 +557,20 @@ def _check_tier_exists(doc: TableDocument, tier: str | None, *, field: str) -> N
     if tier is not None and tier not in doc.tiers:
         raise FailedPrecondition(
             f"{field}: {shown(names.tier_name(tier))} does not exist; create it first"
+        )
+
+
+def _check_team_exists(doc: TableDocument, team: str | None, *, field: str) -> None:
+    if team is not None and team not in doc.team_rates:
+        raise FailedPrecondition(
+            f"{field}: {shown(names.team_name(team))} does not exist; create it first"
+        )
+
+
+def _check_team_room(doc: TableDocument) -> None:
+    if len(doc.team_rates) >= MAX_TIERS:
+        raise ResourceExhausted(
+            f"the table holds at most {MAX_TIERS} teams; delete some first"
         )
 
 

@@ -305,12 +305,6 @@ class OutputRateSettings:
                     f"{TEAM_SOURCE_FLAG} and {USER_SOURCE_FLAG} name the same "
                     f"header ({self.team_source.header})"
                 )
-        if self.team_rates and self.store is not None:
-            raise SettingsError(
-                f"{TEAMS_FLAG} with {STORE_FLAG}: team cells are not kept in the "
-                "store yet, and a team paced on each engine alone would get its "
-                "rate once per engine"
-            )
         for tier in tier_weights:
             if tier not in self.tier_rates and tier not in self.exempt_tiers:
                 raise SettingsError(

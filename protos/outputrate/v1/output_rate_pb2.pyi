@@ -24,20 +24,22 @@ class DefaultLimit(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class Limit(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight")
+    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight", "team")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     EXEMPT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     tier: str
     exempt: bool
     etag: str
     weight: float
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+    team: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., team: _Optional[str] = ...) -> None: ...
 
 class Tier(_message.Message):
     __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag", "weight")
@@ -55,19 +57,35 @@ class Tier(_message.Message):
     weight: float
     def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
+class Team(_message.Message):
+    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokens_per_second: int
+    weight: float
+    member_count: int
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+
 class LimitsTable(_message.Message):
-    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers")
+    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     default_tokens_per_second: int
     limits: _containers.RepeatedCompositeFieldContainer[Limit]
     etag: str
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
-    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ...) -> None: ...
+    teams: _containers.RepeatedCompositeFieldContainer[Team]
+    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., teams: _Optional[_Iterable[_Union[Team, _Mapping]]] = ...) -> None: ...
 
 class PacingMode(_message.Message):
     __slots__ = ("name", "mode", "etag", "fair_share")
@@ -156,6 +174,36 @@ class UserState(_message.Message):
     fair_share_backlogged: bool
     fair_share_lead: float
     def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., weight: _Optional[float] = ..., fair_share_service: _Optional[float] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share: _Optional[bool] = ..., fair_share_backlogged: _Optional[bool] = ..., fair_share_lead: _Optional[float] = ...) -> None: ...
+
+class TeamState(_message.Message):
+    __slots__ = ("name", "team", "tokens_per_second", "weight", "budget_tokens", "tat_lead", "next_token_in", "member_count", "running_members", "throttled_members", "tokens_charged", "throttled_steps", "fair_share_service")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAT_LEAD_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IN_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    THROTTLED_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_CHARGED_FIELD_NUMBER: _ClassVar[int]
+    THROTTLED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_SERVICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    team: str
+    tokens_per_second: int
+    weight: float
+    budget_tokens: int
+    tat_lead: _duration_pb2.Duration
+    next_token_in: _duration_pb2.Duration
+    member_count: int
+    running_members: int
+    throttled_members: int
+    tokens_charged: int
+    throttled_steps: int
+    fair_share_service: float
+    def __init__(self, name: _Optional[str] = ..., team: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., member_count: _Optional[int] = ..., running_members: _Optional[int] = ..., throttled_members: _Optional[int] = ..., tokens_charged: _Optional[int] = ..., throttled_steps: _Optional[int] = ..., fair_share_service: _Optional[float] = ...) -> None: ...
 
 class StoreView(_message.Message):
     __slots__ = ("held_tokens", "global_tat_lead", "global_tat_read_age", "health")
@@ -294,6 +342,78 @@ class DeleteTierRequest(_message.Message):
     allow_missing: bool
     etag: str
     def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class GetTeamRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListTeamsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListTeamsResponse(_message.Message):
+    __slots__ = ("teams", "next_page_token")
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    teams: _containers.RepeatedCompositeFieldContainer[Team]
+    next_page_token: str
+    def __init__(self, teams: _Optional[_Iterable[_Union[Team, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CreateTeamRequest(_message.Message):
+    __slots__ = ("team_id", "team")
+    TEAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    team_id: str
+    team: Team
+    def __init__(self, team_id: _Optional[str] = ..., team: _Optional[_Union[Team, _Mapping]] = ...) -> None: ...
+
+class UpdateTeamRequest(_message.Message):
+    __slots__ = ("team", "update_mask", "allow_missing")
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MASK_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    team: Team
+    update_mask: _field_mask_pb2.FieldMask
+    allow_missing: bool
+    def __init__(self, team: _Optional[_Union[Team, _Mapping]] = ..., update_mask: _Optional[_Union[_field_mask_pb2.FieldMask, _Mapping]] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+
+class DeleteTeamRequest(_message.Message):
+    __slots__ = ("name", "allow_missing", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    allow_missing: bool
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class GetTeamStateRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListTeamStatesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListTeamStatesResponse(_message.Message):
+    __slots__ = ("team_states", "next_page_token")
+    TEAM_STATES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    team_states: _containers.RepeatedCompositeFieldContainer[TeamState]
+    next_page_token: str
+    def __init__(self, team_states: _Optional[_Iterable[_Union[TeamState, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetPacingModeRequest(_message.Message):
     __slots__ = ("name",)

@@ -27,8 +27,8 @@ if _version_not_supported:
 
 
 class OutputRateControlStub:
-    """Reads and changes output-token limits, tiers, exemptions and the pacing mode,
-    and reads per-user limiter state.
+    """Reads and changes output-token limits, tiers, teams, exemptions and the
+    pacing mode, and reads per-user and per-team limiter state.
     """
 
     def __init__(self, channel):
@@ -97,6 +97,31 @@ class OutputRateControlStub:
                 request_serializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteTierRequest.SerializeToString,
                 response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                 _registered_method=True)
+        self.GetTeam = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/GetTeam',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.GetTeamRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.Team.FromString,
+                _registered_method=True)
+        self.ListTeams = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/ListTeams',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamsRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamsResponse.FromString,
+                _registered_method=True)
+        self.CreateTeam = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/CreateTeam',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.CreateTeamRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.Team.FromString,
+                _registered_method=True)
+        self.UpdateTeam = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/UpdateTeam',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.UpdateTeamRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.Team.FromString,
+                _registered_method=True)
+        self.DeleteTeam = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/DeleteTeam',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteTeamRequest.SerializeToString,
+                response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                _registered_method=True)
         self.GetLimitsTable = channel.unary_unary(
                 '/outputrate.v1.OutputRateControl/GetLimitsTable',
                 request_serializer=outputrate_dot_v1_dot_output__rate__pb2.GetLimitsTableRequest.SerializeToString,
@@ -132,11 +157,21 @@ class OutputRateControlStub:
                 request_serializer=outputrate_dot_v1_dot_output__rate__pb2.WatchUserStatesRequest.SerializeToString,
                 response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.WatchUserStatesResponse.FromString,
                 _registered_method=True)
+        self.GetTeamState = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/GetTeamState',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.GetTeamStateRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.TeamState.FromString,
+                _registered_method=True)
+        self.ListTeamStates = channel.unary_unary(
+                '/outputrate.v1.OutputRateControl/ListTeamStates',
+                request_serializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamStatesRequest.SerializeToString,
+                response_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamStatesResponse.FromString,
+                _registered_method=True)
 
 
 class OutputRateControlServicer:
-    """Reads and changes output-token limits, tiers, exemptions and the pacing mode,
-    and reads per-user limiter state.
+    """Reads and changes output-token limits, tiers, teams, exemptions and the
+    pacing mode, and reads per-user and per-team limiter state.
     """
 
     def GetDefaultLimit(self, request, context):
@@ -176,7 +211,7 @@ class OutputRateControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateLimit(self, request, context):
-        """Changes a user's entry (its own limit, tier, exemption); with
+        """Changes a user's entry (its own limit, tier, team, exemption); with
         `allow_missing` creates it (upsert).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -184,7 +219,7 @@ class OutputRateControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteLimit(self, request, context):
-        """Removes a user's entry (own limit, tier and exemption): the default
+        """Removes a user's entry (own limit, tier, team and exemption): the default
         applies to the user again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -229,15 +264,55 @@ class OutputRateControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTeam(self, request, context):
+        """Returns one team; NOT_FOUND when there is none of that id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTeams(self, request, context):
+        """Lists teams in team id order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateTeam(self, request, context):
+        """Creates a team; ALREADY_EXISTS when it exists, RESOURCE_EXHAUSTED beyond
+        100 teams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateTeam(self, request, context):
+        """Changes a team's rate or weight: its members share the new rate from the
+        next step on, keeping the team's token debt. With `allow_missing` creates
+        it (upsert).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTeam(self, request, context):
+        """Removes a team; FAILED_PRECONDITION while it has members (move them first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLimitsTable(self, request, context):
-        """Returns the default, every entry and every tier, with the table's etag.
+        """Returns the default, every entry, every tier and every team, with the
+        table's etag.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReplaceLimitsTable(self, request, context):
-        """Replaces the default, every entry and every tier in one atomic change.
+        """Replaces the default, every entry, every tier and every team in one
+        atomic change.
         With a non-empty `etag` that is not the current one, changes nothing:
         ABORTED.
         """
@@ -279,6 +354,20 @@ class OutputRateControlServicer:
     def WatchUserStates(self, request, context):
         """Sends the state of selected users now and then once every `interval`,
         until the client cancels or the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTeamState(self, request, context):
+        """Returns one team's state; NOT_FOUND when there is no such team.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTeamStates(self, request, context):
+        """Lists the state of every team in team id order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,6 +436,31 @@ def add_OutputRateControlServicer_to_server(servicer, server):
                     request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteTierRequest.FromString,
                     response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             ),
+            'GetTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTeam,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.GetTeamRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.Team.SerializeToString,
+            ),
+            'ListTeams': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTeams,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamsRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamsResponse.SerializeToString,
+            ),
+            'CreateTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTeam,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.CreateTeamRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.Team.SerializeToString,
+            ),
+            'UpdateTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTeam,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.UpdateTeamRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.Team.SerializeToString,
+            ),
+            'DeleteTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTeam,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.DeleteTeamRequest.FromString,
+                    response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            ),
             'GetLimitsTable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLimitsTable,
                     request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.GetLimitsTableRequest.FromString,
@@ -382,6 +496,16 @@ def add_OutputRateControlServicer_to_server(servicer, server):
                     request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.WatchUserStatesRequest.FromString,
                     response_serializer=outputrate_dot_v1_dot_output__rate__pb2.WatchUserStatesResponse.SerializeToString,
             ),
+            'GetTeamState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTeamState,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.GetTeamStateRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.TeamState.SerializeToString,
+            ),
+            'ListTeamStates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTeamStates,
+                    request_deserializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamStatesRequest.FromString,
+                    response_serializer=outputrate_dot_v1_dot_output__rate__pb2.ListTeamStatesResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'outputrate.v1.OutputRateControl', rpc_method_handlers)
@@ -391,8 +515,8 @@ def add_OutputRateControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class OutputRateControl:
-    """Reads and changes output-token limits, tiers, exemptions and the pacing mode,
-    and reads per-user limiter state.
+    """Reads and changes output-token limits, tiers, teams, exemptions and the
+    pacing mode, and reads per-user and per-team limiter state.
     """
 
     @staticmethod
@@ -720,6 +844,141 @@ class OutputRateControl:
             _registered_method=True)
 
     @staticmethod
+    def GetTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/GetTeam',
+            outputrate_dot_v1_dot_output__rate__pb2.GetTeamRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.Team.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTeams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/ListTeams',
+            outputrate_dot_v1_dot_output__rate__pb2.ListTeamsRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.ListTeamsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/CreateTeam',
+            outputrate_dot_v1_dot_output__rate__pb2.CreateTeamRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.Team.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/UpdateTeam',
+            outputrate_dot_v1_dot_output__rate__pb2.UpdateTeamRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.Team.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/DeleteTeam',
+            outputrate_dot_v1_dot_output__rate__pb2.DeleteTeamRequest.SerializeToString,
+            google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetLimitsTable(request,
             target,
             options=(),
@@ -898,6 +1157,60 @@ class OutputRateControl:
             '/outputrate.v1.OutputRateControl/WatchUserStates',
             outputrate_dot_v1_dot_output__rate__pb2.WatchUserStatesRequest.SerializeToString,
             outputrate_dot_v1_dot_output__rate__pb2.WatchUserStatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTeamState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/GetTeamState',
+            outputrate_dot_v1_dot_output__rate__pb2.GetTeamStateRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.TeamState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTeamStates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outputrate.v1.OutputRateControl/ListTeamStates',
+            outputrate_dot_v1_dot_output__rate__pb2.ListTeamStatesRequest.SerializeToString,
+            outputrate_dot_v1_dot_output__rate__pb2.ListTeamStatesResponse.FromString,
             options,
             channel_credentials,
             insecure,
