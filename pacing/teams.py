@@ -391,7 +391,9 @@ class TeamBudget:
             total += taken
             if taken:
                 teams.record(user, team, taken)
-        team_left = cells.take_up_to(team, total, now_ns)[1] if total else tokens
+        # Asked even for 0 tokens: a store-backed budget learns of the demand
+        # (the team is then due a claim) only from a take.
+        team_left = cells.take_up_to(team, total, now_ns)[1]
         promises = self._promise(team_left, list(grants))
         for user, taken in grants.items():
             promise = promises[user]

@@ -6,8 +6,12 @@ scheduler on a fake clock; the store is fakeredis (its script tests run on a rea
 
 from __future__ import annotations
 
+import fakeredis
+
 from pacing.claims import ClaimedBalances, Request
+from store.claimer import Claimer
 from tests.store_harness import claim_through_a_store
+from tools.counting_store import CountingStore
 from tools.scheduler_harness import SYNC_AND_ASYNC as MODES
 from tools.scheduler_harness import driven_scheduler as setup
 from tools.scheduler_harness import make_request
@@ -64,3 +68,34 @@ def test_a_lease_that_ends_stops_the_streams_at_once(tiny_model_dir, async_sched
         returned = balances.plan(driver.clock()).returns  # the claimer's pass
     assert returned == {"u": Request(100 - before, 1000)}
     assert sum(len(driver.step_sampled()) for _ in range(10)) == 0
+
+
+@MODES
+def test_a_team_spends_only_what_its_claimer_claimed(tiny_model_dir, async_scheduling):
+    """Team acme at 60 tok/s, its members' own caps far above; the team's
+    tokens come from claims on its store cell (a second claimer, as
+    ``store.runtime`` runs). A team with no balance is due a claim as soon as
+    a member asks, so its members go on streaming after the first balance is
+    spent; every token charged to the team was claimed. (Claims are sized on
+    the engine's fake clock and granted on the store's real one, so the rate
+    itself is measured end to end: ``tests/test_e2e_scaleout.py``.)"""
+    scheduler, driver = setup(
+        tiny_model_dir,
+        async_scheduling,
+        default_rate=10_000,
+        output_rate={"team_rates": {"acme": 60}, "team_members": {"a": "acme"}},
+    )
+    shared = scheduler.output_rate_shared
+    balances = ClaimedBalances(shared.teams.cells)
+    with shared.lock:
+        shared.teams.use_budget(balances)
+    store = CountingStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
+    claimer = Claimer(store, balances, shared.lock, driver.clock, engine_id="e")
+    driver.add([make_request("a", max_tokens=1000) for _ in range(3)])
+    sampled = []
+    for _ in range(300):
+        sampled.append(len(driver.step_sampled()))
+        claimer.run_once()
+    charged = shared.teams.charged["acme"]
+    assert 0 < charged == sum(sampled) <= store.granted
+    assert sum(sampled[200:]) > 0  # still claiming, not stuck after a balance
