@@ -5,7 +5,8 @@ Clients use the official ``openai`` client. Whatever id a client sends (another
 user's header, an OpenAI ``user``), it is paced as the user its key maps to; two
 keys of one user share its budget; a client-sent ``vllm_xargs`` id is refused; a
 route the guard does not know (``tests/unguarded_route.py``, added through vLLM's
-endpoint plugins) reaches the engine unattested and is refused there.
+endpoint plugins) reaches the engine unattested and is refused there. The same
+server takes a request's team from ``X-Team-Id`` (``--output-rate-team-source``).
 
 The server is this module's own (the shared one reads ids from the body), started
 with the same helper; nginx is started by the test on a free loopback port."""
@@ -18,10 +19,13 @@ import re
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from protos.outputrate.v1 import output_rate_pb2 as pb
+from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests import unguarded_route
 from tests.nginx_gateway import (
     DOCS_EXAMPLE,
@@ -30,10 +34,18 @@ from tests.nginx_gateway import (
     start_gateway,
 )
 from tools.local_server import VllmServer, free_port, start_server
-from tools.measure import StreamResult, assert_at_most_gcra, rates_by_user
+from tools.measure import (
+    StreamResult,
+    assert_at_most_gcra,
+    rates_by_user,
+    record_stream,
+)
 from tools.server_counters import ChargedReads, charged, on_engines, user_state
 
 HEADER = "X-User-Id"
+TEAM_HEADER = "X-Team-Id"
+#: The team the gateway may name, far below the default limit.
+TEAM, TEAM_RATE = "gw-team", 30
 DEFAULT_RATE = 1000
 LIMITS = {"alice": 20, "bob": 40}
 KEYS = {"sk-alice-1": "alice", "sk-alice-2": "alice", "sk-bob": "bob"}
@@ -62,6 +74,10 @@ def header_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
             "--output-rate-user-source",
             f"header:{HEADER}",
             "--output-rate-require-user",
+            "--output-rate-teams",
+            json.dumps({TEAM: TEAM_RATE}),
+            "--output-rate-team-source",
+            f"header:{TEAM_HEADER}",
             "--output-rate-control-address",
             control_address,
         ],
@@ -274,6 +290,68 @@ def test_a_route_the_guard_does_not_know_cannot_charge_a_named_user(
     assert response.json() == {"finish_reason": "error", "tokens": 0}
     assert charged(header_server.control_address, "alice") == alice_before
     assert user_state(header_server.control_address, "__anonymous__") is None
+
+
+@pytest.mark.server
+def test_the_gateways_team_header_puts_its_user_under_the_team_cap(header_server):
+    """carol (default limit, 1,000 tok/s) named in team gw-team (30 tok/s) by
+    the gateway's header: paced at the team's rate, within GCRA's bound and at
+    least 97 % of it on the server's counters; the team counts her."""
+    headers = {HEADER: "carol", TEAM_HEADER: TEAM}
+    streams, tokens = 2, 150
+
+    async def run() -> list[StreamResult]:
+        async with httpx.AsyncClient(
+            base_url=header_server.base_url, headers=headers, timeout=300
+        ) as api:
+            body = {
+                "model": header_server.model,
+                "prompt": "hello world",
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {
+                    "include_usage": True,
+                    "continuous_usage_stats": True,
+                },
+            }
+            return await asyncio.gather(
+                *(
+                    record_stream(api, "/v1/completions", body, "carol")
+                    for _ in range(streams)
+                )
+            )
+
+    count = on_engines([header_server.control_address])
+    with ChargedReads(count, ["carol"]) as counters:
+        results = asyncio.run(run())
+    assert [r.completion_tokens for r in results] == [tokens] * streams
+    assert_at_most_gcra(rates_by_user(results)["carol"], TEAM_RATE)
+    counters.assert_at_least_the_limit("carol", streams * tokens, TEAM_RATE)
+    with grpc.insecure_channel(header_server.control_address) as channel:
+        state = pb_grpc.OutputRateControlStub(channel).GetTeamState(
+            pb.GetTeamStateRequest(name=f"teamStates/{TEAM}")
+        )
+    assert state.member_count == 1
+    assert state.tokens_charged >= streams * tokens
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("team", "status"), [("nosuch", 500), ("a,b", 400)], ids=["unknown", "comma"]
+)
+def test_a_team_header_naming_no_team_is_refused(header_server, team, status):
+    """A team that does not exist finishes the request with an error before
+    any step (its members' team cap must not be lifted), which vLLM's server
+    answers with 500; a bad value is the guard's 400. Nothing is charged."""
+    response = httpx.post(
+        f"{header_server.base_url}/v1/completions",
+        json={"model": header_server.model, "prompt": "hi", "max_tokens": 4},
+        headers={HEADER: "dave", TEAM_HEADER: team},
+        timeout=60,
+    )
+    assert response.status_code == status, response.text
+    assert user_state(header_server.control_address, "dave") is None
 
 
 def test_the_documented_recipe_is_the_config_the_tests_run():
