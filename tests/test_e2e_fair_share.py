@@ -23,16 +23,15 @@ from tools.fair_share_workload import (
     ENGINE_ARGS,
     FAIR_SHARE_ARGS,
     FLOOD_STREAMS,
-    FLOOD_TOKENS,
     HOLD_ARGS,
     HOLD_ENV,
     LIGHT_STREAMS,
-    LIGHT_TOKENS,
     SLOTS,
     TEAM_MEMBERS,
     TEAM_STREAMS,
     TEAM_TOKENS,
     TEAMS_ARGS,
+    Sizes,
     all_served_window,
     check_complete,
     run_held_streams,
@@ -43,6 +42,10 @@ from tools.fair_share_workload import (
 from tools.local_server import VllmServer, start_paced_server
 
 pytestmark = pytest.mark.server
+
+#: Half the benchmark's requests (``benchmarks.fair_share``): a window of
+#: several thousand tokens while all stream is what the shares need.
+SIZES = Sizes(flood=1000, light=500)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +81,10 @@ def test_with_fair_share_each_user_gets_a_quarter_while_all_stream(
     has been served to the last read at which none has all its tokens yet,
     each user's share of the tokens charged."""
     switch_fair_share(fair_server, True)
-    run = run_workload(fair_server, "fair", hold=True)
+    run = run_workload(fair_server, "fair", hold=True, sizes=SIZES)
     check_complete(run, "fair")
     flooder = users("fair")[0]
-    window = all_served_window(run.reads, users("fair"), LIGHT_STREAMS * LIGHT_TOKENS)
+    window = all_served_window(run.reads, users("fair"), LIGHT_STREAMS * SIZES.light)
     assert window is not None, f"no snapshot has every light user served: {run.reads}"
     assert window.counts[flooder] > 0, (
         f"the flooder was not served beside the light users: {run.reads}"
@@ -107,14 +110,14 @@ def test_without_fair_share_the_flooder_is_served_first(
     before 16 of the flooder's 24 streams have ended."""
     switch_fair_share(fair_server, False)
     try:
-        run = run_workload(fair_server, "fcfs", hold=True)
+        run = run_workload(fair_server, "fcfs", hold=True, sizes=SIZES)
     finally:
         switch_fair_share(fair_server, True)
     check_complete(run, "fcfs")
     flooder, *light = users("fcfs")
     # A user's counters are dropped once its last request ended: a flooder
     # seen before and gone since had all its tokens.
-    flood_total = FLOOD_STREAMS * FLOOD_TOKENS
+    flood_total = FLOOD_STREAMS * SIZES.flood
     seen = False
     flooded: list[int] = []  # at each read with a light user served
     for read in run.reads:
@@ -123,7 +126,7 @@ def test_without_fair_share_the_flooder_is_served_first(
             flooded.append(read.get(flooder, flood_total if seen else 0))
     print(f"\nthe flooder's tokens at the reads with a light user served: {flooded}")
     assert flooded
-    assert min(flooded) >= (FLOOD_STREAMS - SLOTS) * FLOOD_TOKENS
+    assert min(flooded) >= (FLOOD_STREAMS - SLOTS) * SIZES.flood
 
 
 def test_teams_share_a_saturated_engine_by_team_weight(

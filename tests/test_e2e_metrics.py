@@ -72,12 +72,13 @@ def test_metrics_reach_vllm_metrics_and_prometheus(vllm_server):
         prometheus.wait_for('up{job="target"} == 1')
         # Counters are born with the first step's events; let Prometheus see
         # every series once before the load, so rate() counts all of it.
-        warm_up = [("user-a", 2), ("user-fast", 2)]
+        warm_up = [("user-a", 2), ("user-fast", 2), ("team-a", 2)]
         asyncio.run(run_streams(vllm_server.base_url, vllm_server.model, warm_up))
         prometheus.wait_for(
             'vllm:output_rate_tokens_charged_total{user="user-fast"} > 0'
         )
         streams = [("user-a", 60)] * 4 + [("user-fast", 60), ("user-c", 60)]
+        streams += [("team-a", 60)]  # the team panels' members' time
         asyncio.run(run_streams(vllm_server.base_url, vllm_server.model, streams))
         config = Path(vllm_server.log_path).parent / "limits.json"
         config.write_text(good_config)
@@ -88,11 +89,12 @@ def test_metrics_reach_vllm_metrics_and_prometheus(vllm_server):
               f"user-fast {unthrottled[0]['value'][1]}")  # fmt: skip
         assert float(unthrottled[0]["value"][1]) == 0.0
 
-        # Tier series exist only while (limits) or since (counters) the server
-        # had a tier, and other tests on this shared server may have added and
-        # removed tiers: a tier panel must have data when every tier series it
-        # reads is exported. Store series exist only with a store configured,
-        # which this server has not: the same rule.
+        # Tier and team series exist only while (limits) or since (counters)
+        # the server had a tier or team, and other tests on this shared server
+        # may add and remove them: such a panel must have data when every tier
+        # or team series it reads is exported (a team member streamed in the
+        # warm-up, so the teams' do). Store series exist only with a store
+        # configured, which this server has not: the same rule.
         metrics_text = httpx.get(vllm_server.base_url + "/metrics", timeout=10).text
         exported = {
             sample.name
@@ -101,7 +103,9 @@ def test_metrics_reach_vllm_metrics_and_prometheus(vllm_server):
         }
         empty = []
         for title, expr in dashboard_queries():
-            optional = set(re.findall(r"vllm:output_rate_(?:tier|store)_\w+", expr))
+            optional = set(
+                re.findall(r"vllm:output_rate_(?:tier|team|store)_\w+", expr)
+            )
             if optional - exported:
                 continue
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tools.fair_share_workload import (
+    Sizes,
     WorkloadRun,
     all_served_window,
     backlogged_window,
@@ -66,7 +67,9 @@ def test_no_served_window_when_the_light_users_are_served_one_after_another():
 
 def test_the_backlogged_window_starts_at_the_first_read_taken_after_the_light_sent():
     reads = [{"f": 10}, {"f": 20}, {"f": 30}, {"f": 40, "a": 1}, {"a": 9, "b": 1}]
-    run = WorkloadRun([], 1.0, reads, [0.0, 1.0, 2.0, 3.0, 4.0], light_sent_at=0.5)
+    run = WorkloadRun(
+        [], 1.0, reads, [0.0, 1.0, 2.0, 3.0, 4.0], light_sent_at=0.5, sizes=Sizes()
+    )
     window = backlogged_window(run, USERS, DEMAND)
     assert (window.first, window.last) == (1, 3)
     assert window.counts == {"f": 20, "a": 1, "b": 0, "c": 0}

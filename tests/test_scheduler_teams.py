@@ -81,13 +81,13 @@ def _teams(teams: dict[str, int], members: dict[str, str], **extra) -> dict:
 def test_each_team_and_each_user_stay_within_gcra_bound_over_seeded_workloads(
     tiny_model_dir, async_scheduling
 ):
-    """Two seeded random workloads of 10,000 steps each (other seeds for the
-    async scheduler): three teams (rates 40, 90, 250), members with 1-6
+    """A seeded random workload of 10,000 steps (another seed for the async
+    scheduler): three teams (rates 40, 90, 250), members with 1-6
     streams, own caps from 15 to far above, users without a team, one exempt
     member; streams come and go. Every window of
     every team's and every user's charge times holds at most
     ``(W + burst) * R + 1`` tokens, and nobody with streams starves."""
-    for seed in (2, 3) if async_scheduling else (0, 1):
+    for seed in (1,) if async_scheduling else (0,):
         rng = random.Random(seed)
         teams = {"t40": 40, "t90": 90, "t250": 250}
         members = {f"m{i}": rng.choice(list(teams)) for i in range(9)}

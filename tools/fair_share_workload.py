@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import httpx
@@ -41,6 +41,17 @@ LIGHT_STREAMS = 4
 #: tiny model serves ~3,500 tok/s here) and for several reads of the counters.
 FLOOD_TOKENS = 2000
 LIGHT_TOKENS = 1000
+
+
+class Sizes(NamedTuple):
+    """Tokens of each flood request and of each light one."""
+
+    flood: int = FLOOD_TOKENS
+    light: int = LIGHT_TOKENS
+
+
+#: The benchmark's sizes (``benchmarks.fair_share``).
+BENCHMARK_SIZES = Sizes()
 SLOTS = 8
 #: Server flags of both ours and stock vLLM: the workload saturates 8 slots.
 ENGINE_ARGS = ("--max-num-seqs", str(SLOTS), "--max-model-len", "2048")
@@ -64,7 +75,7 @@ FINISH_TIMEOUT_S = 120.0
 #: team ``e2e-four`` four users with 4 streams each, equal team weights.
 TEAM_MEMBERS = {"one-0": "e2e-one", **{f"four-{i}": "e2e-four" for i in range(4)}}
 TEAM_STREAMS = {"one-0": 16, **{f"four-{i}": 4 for i in range(4)}}
-TEAM_TOKENS = 1000
+TEAM_TOKENS = 500
 #: Ours with the teams (rates far above what the engine serves).
 TEAMS_ARGS = (
     "--output-rate-teams",
@@ -182,6 +193,7 @@ class WorkloadRun:
     reads: list[dict[str, int]]
     taken_after: list[float]  #: a lower bound on when each read was taken
     light_sent_at: float  #: when the light requests were sent (monotonic s)
+    sizes: Sizes  #: the requests' tokens
 
     @property
     def tokens_per_s(self) -> float:
@@ -199,12 +211,13 @@ def run_workload(
     stream_light: bool = False,
     flood: bool = True,
     hold: bool = False,
+    sizes: Sizes = BENCHMARK_SIZES,
 ) -> WorkloadRun:
     """The flood, then the light users (names suffixed with ``run``), while
     the server's counters are watched if it has a control plane;
     ``flood=False``: the light users alone on the idle server; ``hold``: both
     queued while the engine is paused (``HOLD_ARGS``, ``HOLD_ENV``), then
-    served from one instant on (``_held``)."""
+    served from one instant on (``_held``); ``sizes``: the requests' tokens."""
     snapshots = Snapshots(server.control_address or "", users(run))
     watcher = threading.Thread(target=snapshots.watch, daemon=True)
     if server.control_address:
@@ -215,7 +228,7 @@ def run_workload(
         started = time.monotonic()
         sent: list[float] = []
         workload = _held if hold else _flood_then_light
-        requests = asyncio.run(workload(server, run, stream_light, flood, sent))
+        requests = asyncio.run(workload(server, run, stream_light, flood, sent, sizes))
         wall_s = time.monotonic() - started
         answered = {r.user for r in requests}
     finally:
@@ -225,7 +238,7 @@ def run_workload(
             finally:
                 watcher.join()
     return WorkloadRun(
-        requests, wall_s, snapshots.reads, snapshots.taken_after, sent[0]
+        requests, wall_s, snapshots.reads, snapshots.taken_after, sent[0], sizes
     )
 
 
@@ -266,27 +279,40 @@ def _client(server: VllmServer) -> httpx.AsyncClient:
 
 
 def _flood_requests(
-    client: httpx.AsyncClient, server: VllmServer, flooder: str, flood: bool
+    client: httpx.AsyncClient,
+    server: VllmServer,
+    flooder: str,
+    flood: bool,
+    tokens: int,
 ) -> list[asyncio.Future[Completed]]:
     return [
-        asyncio.ensure_future(_complete(client, server.model, flooder, FLOOD_TOKENS))
+        asyncio.ensure_future(_complete(client, server.model, flooder, tokens))
         for _ in range(FLOOD_STREAMS if flood else 0)
     ]
 
 
 def _light_requests(
-    client: httpx.AsyncClient, server: VllmServer, light: Sequence[str], stream: bool
+    client: httpx.AsyncClient,
+    server: VllmServer,
+    light: Sequence[str],
+    stream: bool,
+    tokens: int,
 ) -> list[asyncio.Future[Completed]]:
     send = _stream if stream else _complete
     return [
-        asyncio.ensure_future(send(client, server.model, user, LIGHT_TOKENS))
+        asyncio.ensure_future(send(client, server.model, user, tokens))
         for user in light
         for _ in range(LIGHT_STREAMS)
     ]
 
 
 async def _flood_then_light(
-    server: VllmServer, run: str, stream_light: bool, flood: bool, sent: list[float]
+    server: VllmServer,
+    run: str,
+    stream_light: bool,
+    flood: bool,
+    sent: list[float],
+    sizes: Sizes,
 ) -> list[Completed]:
     """The flooder's 24 requests, then, once the server has had all 24, the
     light users' 4 each (when: appended to ``sent``). The engine runs all the
@@ -296,19 +322,24 @@ async def _flood_then_light(
         finished_before = _metric(
             (await client.get("/metrics")).text, "vllm:request_success_total"
         )
-        flooding = _flood_requests(client, server, flooder, flood)
+        flooding = _flood_requests(client, server, flooder, flood, sizes.flood)
         while flooding and not all(f.done() for f in flooding):
             await asyncio.sleep(0.05)
             metrics = (await client.get("/metrics")).text
             if flood_arrived(metrics, finished_before):
                 break
         sent.append(time.monotonic())
-        lights = _light_requests(client, server, light, stream_light)
+        lights = _light_requests(client, server, light, stream_light, sizes.light)
         return list(await asyncio.gather(*flooding, *lights))
 
 
 async def _held(
-    server: VllmServer, run: str, stream_light: bool, flood: bool, sent: list[float]
+    server: VllmServer,
+    run: str,
+    stream_light: bool,
+    flood: bool,
+    sent: list[float],
+    sizes: Sizes,
 ) -> list[Completed]:
     """The same requests in the same order, queued while the engine is paused
     (vLLM's ``/pause?mode=keep``: requests are added, none is scheduled) and
@@ -320,10 +351,12 @@ async def _held(
     async with _client(server) as client:
         (await client.post("/pause", params={"mode": "keep"})).raise_for_status()
         try:
-            requests = _flood_requests(client, server, flooder, flood)
+            requests = _flood_requests(client, server, flooder, flood, sizes.flood)
             await _wait_load(client, len(requests), requests)
             sent.append(time.monotonic())
-            requests += _light_requests(client, server, light, stream_light)
+            requests += _light_requests(
+                client, server, light, stream_light, sizes.light
+            )
             await _wait_load(client, len(requests), requests)
         finally:
             (await client.post("/resume")).raise_for_status()
@@ -413,7 +446,7 @@ def check_complete(run: WorkloadRun, name: str) -> None:
     """Every request of run ``name`` got all its tokens."""
     flooder = users(name)[0]
     for request in run.requests:
-        want = FLOOD_TOKENS if request.user == flooder else LIGHT_TOKENS
+        want = run.sizes.flood if request.user == flooder else run.sizes.light
         if request.tokens != want:
             raise AssertionError(f"{request} of run {name}: want {want} tokens")
 
