@@ -24,7 +24,7 @@ from tools.server_counters import ChargedReads, on_engines, user_state
 pytestmark = pytest.mark.server
 
 LIMITS = SERVER_LIMITS["users"]
-TOKENS = 200
+TOKENS = 100
 #: B's tokens: 4 s at its 100 tok/s, long enough for a floor on the server's
 #: counters (``tools.server_counters.MIN_INTERVAL_S``).
 B_TOKENS = 400
@@ -81,7 +81,7 @@ def test_unthrottled_user_keeps_its_speed_beside_a_throttled_user(vllm_server):
     """
 
     async def throttled_a() -> None:
-        # 800 tokens at 20 tok/s: 40 s, far longer than C's measurement beside
+        # 400 tokens at 20 tok/s: 20 s, far longer than C's measurement beside
         # it on any machine; ``bracketed`` cancels it when that is done.
         streams = [("user-a", TOKENS)] * 4
         await run_streams(vllm_server.base_url, vllm_server.model, streams)
