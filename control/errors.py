@@ -50,6 +50,12 @@ class ResourceExhausted(ControlError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class Cancelled(ControlError):
+    """The client went away before its request arrived."""
+
+    code = "CANCELLED"
+
+
 class Unauthenticated(ControlError):
     """The call carries no valid credentials."""
 

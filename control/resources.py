@@ -166,7 +166,9 @@ class UserState:
 
 @dataclass(frozen=True)
 class TeamState:
-    """One team's budget, members and counters, read at one instant."""
+    """One team's budget, members and counters: its own fields of one instant,
+    its members' sums (running, throttled, service) added up over a few holds
+    of the lock (``control.service.team_states``)."""
 
     team: str
     tokens_per_second: int

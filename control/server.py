@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2_grpc as _health_pb2_grpc
 from grpc_reflection.v1alpha import reflection as _reflection
 from opentelemetry import trace
 
-from control.interceptors.auth import BearerTokenInterceptor
+from control.interceptors.auth import MAX_OPEN_CHECKS, BearerTokenInterceptor
 from control.interceptors.error_mapping import ErrorMappingInterceptor
 from control.interceptors.tracing import TracingInterceptor
 from control.rpc_counts import RpcCounts
@@ -26,8 +26,9 @@ from control.service.operations import LimitsService
 from control.servicer import MAX_WATCHES, SERVICE_NAME, OutputRateControlServicer
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
-#: Worker threads: room for every watch plus as many unary calls at once.
-MAX_WORKERS = 2 * MAX_WATCHES
+#: Worker threads: room for every watch, as many unary calls at once, and the
+#: health checks without a token that wait for their request.
+MAX_WORKERS = 2 * MAX_WATCHES + MAX_OPEN_CHECKS
 #: Calls beyond this many in flight are refused with RESOURCE_EXHAUSTED at once
 #: rather than queued behind the workers.
 MAX_CONCURRENT_RPCS = 64

@@ -230,11 +230,15 @@ def _init_entrypoints_middleware(
     **kwargs: Any,
 ) -> None:
     """Adds the HTTP guard first: Starlette runs the last added middleware
-    outermost, so the guard runs after vLLM's authentication."""
+    outermost, so the guard runs after vLLM's authentication, and asks for the
+    same API key on the paths vLLM's check leaves out."""
     if getattr(args, GUARD_ARG, False):
+        from engine_ext.api_keys import api_keys_of
         from engine_ext.http_guard import OutputRateRequestGuard
 
-        app.add_middleware(OutputRateRequestGuard)
+        app.add_middleware(
+            OutputRateRequestGuard, api_keys=api_keys_of(args, os.environ)
+        )
     original(args, app, *rest, **kwargs)
 
 

@@ -9,8 +9,9 @@ user when ``--output-rate-require-user`` is set. Otherwise it passes the body
 on: unchanged, or with the id it read written into the body's extra args, the
 one field the engine reads a request's user from.
 
-In the attested mode (a gateway source or a required user) it also writes the
-id's attestation (``pacing.attestation``) there: the engine charges a named user
+In the attested mode (a gateway source or a required user) it also writes a
+fresh request binding and the id's attestation (``pacing.attestation``) there,
+and refuses client-sent ones: the engine charges a named user
 only when that matches, so a request that reaches the engine around this guard
 is charged to ``__anonymous__`` or refused. Websockets (vLLM's ``/v1/realtime``)
 carry no extra args: they are anonymous, and refused when a user is required.
@@ -36,13 +37,21 @@ from pydantic import TypeAdapter, ValidationError
 # Starlette that moved it fails at import, not silently.
 from starlette._utils import get_route_path
 
+from engine_ext.api_keys import UNAUTHORIZED_BODY, ApiKeys, needs_key
 from engine_ext.form_bodies import (
     EncodedForm,
     encode_form,
     read_form,
     unquotable_name,
 )
-from pacing.attestation import ATTESTATION_FIELD, attest, attested_mode, key_from
+from pacing.attestation import (
+    ATTESTATION_FIELD,
+    REQUEST_FIELD,
+    attest,
+    attested_mode,
+    key_from,
+    new_binding,
+)
 from pacing.identity import (
     HEADER,
     OPENAI_USER,
@@ -55,7 +64,11 @@ from pacing.identity import (
     UserSource,
     validate_user,
 )
-from pacing.settings.flags import REQUIRE_USER_FLAG, USER_SOURCE_FLAG
+from pacing.settings.flags import (
+    ALLOW_UNATTRIBUTED_FLAG,
+    REQUIRE_USER_FLAG,
+    USER_SOURCE_FLAG,
+)
 from pacing.settings.model import OutputRateSettings
 
 if TYPE_CHECKING:
@@ -122,12 +135,32 @@ GUARDED_PATHS: Mapping[str, BodyShape] = MappingProxyType(
     }
 )
 
-#: vLLM 0.32 endpoints that submit generation requests built from named fields
-#: only: nothing a client or gateway sends reaches their extra args, so they are
-#: always charged to ``__anonymous__``, and refused when a user is required.
+#: vLLM 0.32 endpoints that submit engine requests no user id can reach:
+#: generation built from named fields only, and pooling (no sampling params).
+#: Charged to ``__anonymous__``; refused when a user is required (401) and,
+#: unless ``--output-rate-allow-unattributed-routes``, with a gateway source
+#: (403): a tenant must not choose the anonymous budget by choosing a route.
 UNATTRIBUTED_PATHS = frozenset(
-    {"/v1/systemone", "/generative_scoring", "/cohere/v2/chat"}
+    {
+        "/v1/systemone",
+        "/generative_scoring",
+        "/cohere/v2/chat",
+        # Pooling models only.
+        "/pooling",
+        "/classify",
+        "/v1/embeddings",
+        "/v2/embed",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    }
 )
+#: Scores each of its ``items`` in an engine request of its own.
+SCORING_PATH = "/generative_scoring"
+#: The most ``items`` one ``/generative_scoring`` request may fan out to.
+MAX_SCORING_ITEMS = 64
 
 #: vLLM reads ``use_beam_search`` as a pydantic ``bool`` (lax: "true", "on", 1...).
 _PYDANTIC_BOOL = TypeAdapter(bool)
@@ -135,13 +168,15 @@ _PYDANTIC_BOOL = TypeAdapter(bool)
 
 class IdentityPolicy(NamedTuple):
     """Where a request's user id comes from, whether one is required, the
-    key that attests it (the attested mode only), and where its team comes
-    from (a header only with a gateway user source)."""
+    key that attests it (the attested mode only), where its team comes
+    from (a header only with a gateway user source), and whether routes no id
+    can reach are served with a gateway source."""
 
     source: UserSource = XARGS_SOURCE
     require_user: bool = False
     key: bytes | None = None
     team_source: TeamSource = TABLE_TEAM_SOURCE
+    allow_unattributed: bool = False
 
     @classmethod
     def from_settings(
@@ -151,7 +186,13 @@ class IdentityPolicy(NamedTuple):
         attested mode has no key in ``environ``."""
         attested = attested_mode(paced.user_source, paced.require_user)
         key = key_from(environ) if attested else None
-        return cls(paced.user_source, paced.require_user, key, paced.team_source)
+        return cls(
+            paced.user_source,
+            paced.require_user,
+            key,
+            paced.team_source,
+            paced.allow_unattributed,
+        )
 
 
 #: Today's behaviour: the client names its user in the body, or none.
@@ -240,7 +281,7 @@ def check_payload(
             field,
         )
     if policy.key is not None and isinstance(xargs, dict):
-        for written_here in (ATTESTATION_FIELD, TEAM_FIELD):
+        for written_here in (ATTESTATION_FIELD, REQUEST_FIELD, TEAM_FIELD):
             if written_here in xargs:
                 where = ".".join((*shape.xargs, written_here))
                 return Rejection(
@@ -277,7 +318,12 @@ def check_payload(
     if team is not None:
         written[TEAM_FIELD] = team
     if policy.key is not None:
-        written[ATTESTATION_FIELD] = attest(policy.key, valid, int(time.time()), team)
+        # Binds the attestation to this HTTP request: every engine request vLLM
+        # derives from it carries the same extra args.
+        binding = written[REQUEST_FIELD] = new_binding()
+        written[ATTESTATION_FIELD] = attest(
+            policy.key, valid, int(time.time()), binding=binding, team=team
+        )
     return written
 
 
@@ -356,6 +402,43 @@ def _unauthorized(missing: str, param: str | None) -> Rejection:
     )
 
 
+def _unattributed_refusal(policy: IdentityPolicy, why: str) -> Rejection | None:
+    """Why a request to a route no user id can reach is refused (``why``: the
+    route in words), or None to charge it to ``__anonymous__``."""
+    if policy.require_user:
+        return _unauthorized(why, None)
+    if policy.source != XARGS_SOURCE and not policy.allow_unattributed:
+        return Rejection(
+            f"no user id: {why}, and this server takes the user id from "
+            f"{policy.source.where} ({USER_SOURCE_FLAG} {policy.source.spec}); "
+            f"{ALLOW_UNATTRIBUTED_FLAG} serves such routes, charged to the "
+            "shared anonymous budget",
+            None,
+            403,
+        )
+    return None
+
+
+def check_scoring_body(body: bytes) -> Rejection | None:
+    """Why a ``/generative_scoring`` body is refused (its ``items`` would fan
+    out to more than ``MAX_SCORING_ITEMS`` engine requests), or None to pass
+    it on (vLLM answers a body it cannot parse itself)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    except RecursionError:
+        return Rejection("request body is nested too deeply to check items", None)
+    items = payload.get("items") if isinstance(payload, dict) else None
+    if isinstance(items, list) and len(items) > MAX_SCORING_ITEMS:
+        return Rejection(
+            f"items must hold at most {MAX_SCORING_ITEMS} entries, got {len(items)}: "
+            "each is an engine request of its own",
+            "items",
+        )
+    return None
+
+
 def _with_xargs(
     payload: dict[str, Any], shape: BodyShape, written: dict[str, str]
 ) -> bytes | Rejection:
@@ -399,25 +482,41 @@ def policy_of(app: object) -> IdentityPolicy:
 
 
 class OutputRateRequestGuard:
-    """Buffers the body of POSTs to ``GUARDED_PATHS``, refuses a bad one, and
-    replays the body (as ``check_request_body`` or ``check_form_body`` returns
-    it) to the app otherwise. With a user required, refuses POSTs to
-    ``UNATTRIBUTED_PATHS`` and every websocket."""
+    """With an API key set, refuses (401) every request without it but the
+    probes (``engine_ext.api_keys``). Buffers the body of POSTs to
+    ``GUARDED_PATHS``, refuses a bad one, and replays the body (as
+    ``check_request_body`` or ``check_form_body`` returns it) to the app
+    otherwise. Refuses POSTs to ``UNATTRIBUTED_PATHS`` and every websocket
+    with a user required (401) or a gateway source (403, unless
+    ``--output-rate-allow-unattributed-routes``), and bounds the fan-out of
+    ``/generative_scoring`` where it is served."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] = ()) -> None:
         self.app = app
+        self._keys = ApiKeys(api_keys)
         #: Read on the first request: vLLM sets the app's state after it adds
         #: middleware.
         self._policy: IdentityPolicy | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send)
-            return
-        if scope["type"] != "http" or scope["method"] != "POST":
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         path = get_route_path(scope)
+        if (
+            self._keys
+            and needs_key(kind, scope.get("method"), path)
+            and not self._keys.admits(scope["headers"])
+        ):
+            await _refuse_unauthenticated(scope, receive, send)
+            return
+        if kind == "websocket":
+            await self._websocket(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
         shape = GUARDED_PATHS.get(path)
         if shape is None and path not in UNATTRIBUTED_PATHS:
             await self.app(scope, receive, send)
@@ -425,20 +524,20 @@ class OutputRateRequestGuard:
         if self._policy is None:
             self._policy = policy_of(scope.get("app"))
         if shape is None:
-            if self._policy.require_user:
-                missing = "this endpoint cannot carry one to the scheduler"
-                await _send_error(send, _unauthorized(missing, None), anthropic=False)
+            refused = _unattributed_refusal(
+                self._policy, "this endpoint cannot carry one to the scheduler"
+            )
+            if refused is not None:
+                await _send_error(send, refused, anthropic=False)
+                return
+            if path == SCORING_PATH:
+                await self._bounded_fan_out(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # client went away
-                return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        received = b"".join(chunks)
+        received = await _read_body(receive)
+        if received is None:
+            return
         body: bytes | Rejection
         try:
             if shape.form:
@@ -471,31 +570,36 @@ class OutputRateRequestGuard:
                 **scope,
                 "headers": _with_header(scope["headers"], b"content-length", length),
             }
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, _replayer(body, receive), send)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A websocket (vLLM's ``/v1/realtime``) builds its requests without
         extra args: anonymous, and refused at the handshake (close code 1008,
-        which the server answers with 403) when a user is required."""
+        which the server answers with 403) when a user is required or the
+        user comes from a gateway (unless unattributed routes are allowed)."""
         if self._policy is None:
             self._policy = policy_of(scope.get("app"))
-        if not self._policy.require_user:
+        refused = _unattributed_refusal(
+            self._policy, "a websocket cannot carry one to the scheduler"
+        )
+        if refused is None:
             await self.app(scope, receive, send)
             return
-        message = await receive()
-        if message["type"] == "websocket.connect":
-            missing = "a websocket cannot carry one to the scheduler"
-            reason = _unauthorized(missing, None).message
-            await send({"type": "websocket.close", "code": 1008, "reason": reason})
+        await _close_websocket(receive, send, refused.message)
+
+    async def _bounded_fan_out(
+        self, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Passes a ``/generative_scoring`` request on unless its ``items``
+        list, one engine request each, is longer than ``MAX_SCORING_ITEMS``."""
+        body = await _read_body(receive)
+        if body is None:
+            return
+        refused = check_scoring_body(body)
+        if refused is not None:
+            await _send_error(send, refused, anthropic=False)
+            return
+        await self.app(scope, _replayer(body, receive), send)
 
 
 async def check_form_body(
@@ -553,6 +657,61 @@ async def check_form_body(
     return encoded
 
 
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body; None when the client went away first."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+def _replayer(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app ``body`` at once, then ``receive``'s
+    messages (the client's disconnect)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _refuse_unauthenticated(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers a request without a valid API key as vLLM does (401), before
+    its body is read; a websocket's handshake is refused."""
+    if scope["type"] == "websocket":
+        await _close_websocket(receive, send, "Unauthorized")
+        return
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(UNAUTHORIZED_BODY)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": UNAUTHORIZED_BODY})
+
+
+async def _close_websocket(receive: Receive, send: Send, reason: str) -> None:
+    """Refuses a websocket at its handshake: close code 1008 (policy
+    violation), which the server answers with 403."""
+    message = await receive()
+    if message["type"] == "websocket.connect":
+        await send({"type": "websocket.close", "code": 1008, "reason": reason})
+
+
 def _with_header(
     headers: Sequence[tuple[bytes, bytes]], name: bytes, value: bytes
 ) -> list[tuple[bytes, bytes]]:
@@ -561,9 +720,13 @@ def _with_header(
     return [*kept, (name, value)]
 
 
+#: The error type vLLM's OpenAI errors name for a status.
+_ERROR_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError"}
+
+
 async def _send_error(send: Send, rejection: Rejection, *, anthropic: bool) -> None:
     """Answers ``rejection`` in the error format vLLM uses on the endpoint."""
-    kind = "AuthenticationError" if rejection.status == 401 else "BadRequestError"
+    kind = _ERROR_TYPES.get(rejection.status, "BadRequestError")
     if anthropic:
         error: dict[str, Any] = {
             "type": "error",

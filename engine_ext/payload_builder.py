@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ from pacing.modes import Mode
 from pacing.settings.model import DEFAULT_MAX_LABELLED_USERS
 from pacing.shared import ControlPlaneSnapshot
 from pacing.store_stats import StoreStats
-from pacing.teams import TeamTable
+from pacing.teams import TeamTable, charged_team
 
 if TYPE_CHECKING:
     from vllm.v1.metrics.stats import SchedulerStats
@@ -76,6 +76,13 @@ class TeamActivity:
     throttled: Collection[str]
     #: The scheduler's clock now (monotonic ns).
     now_ns: int
+    #: user -> the team its gateway named for its live requests, which wins
+    #: over ``table`` (``pacing.teams.Teams.gateway_teams``).
+    gateway_teams: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+
+    def team_of(self, user: str) -> str | None:
+        """The team ``user`` is charged to."""
+        return charged_team(self.table, self.gateway_teams, user)
 
 
 class _Labels:
@@ -323,7 +330,7 @@ class PayloadBuilder:
         labelled = {team: rates[team] for team in self._teams.names}
         if teams is None or not rates:
             return labelled, None
-        return labelled, teams.table.team_of
+        return labelled, teams.team_of
 
     def _group_counters(
         self,
@@ -391,7 +398,7 @@ class PayloadBuilder:
             self._members, self._members_at_ns = {}, None
             return {}, {}
         counts = {label: [0, 0] for label in (*labelled, OTHER_TEAM)}
-        team_of, throttled = teams.table.team_of, teams.throttled
+        team_of, throttled = teams.team_of, teams.throttled
         for user in teams.live:
             team = team_of(user)
             if team is None:

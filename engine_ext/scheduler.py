@@ -18,7 +18,8 @@ One mixin, applied to both ``Scheduler`` and ``AsyncScheduler``. It overrides
   undone, a preempted parked request counted), then upstream.
 - ``add_request()`` / ``_free_request()``: the user is resolved once per request
   and kept in the ``UserBook``; a finished request's throttle totals go on its
-  trace headers.
+  trace headers, and its end is reported to ``RequestIdentity`` (which keeps
+  an attestation valid while its chain of requests lives).
 - ``make_stats()``: the metrics payload, at most every ``PAYLOAD_INTERVAL_NS``.
 
 - ``update_from_output()``: with speculative decoding, the draft tokens a step
@@ -94,6 +95,8 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     #: Monotonic clock in ns; tests replace it on the instance.
     clock: Callable[[], int] = staticmethod(time.monotonic_ns)
+    #: Unix seconds, to judge attestations' age; tests replace it on the instance.
+    wall_clock: Callable[[], float] = staticmethod(time.time)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -119,10 +122,14 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             settings.require_user and settings.enabled,
             os.environ,
             lambda: self.clock(),
+            lambda: self.wall_clock(),
         )
         #: Requests refused for want of a checked user id, finished but not yet
         #: reported to their client (the next ``update_from_output`` does).
         self._refused: list[Request] = []
+        #: request id -> its user, for requests charged to the team their
+        #: gateway named (``pacing.teams.Teams.join_request``) until they end.
+        self._gateway_team_requests: dict[str, str] = {}
         #: What attached through the core's registration point (the control
         #: plane, when the settings ask for one); stopped at shutdown.
         self.output_rate_attachments: list[attachments.Attachment] = []
@@ -224,14 +231,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         if identity is not None and identity.team is not None:
             shared = self.output_rate_shared
             with shared.lock:
-                if not shared.teams.assign(identity.user, identity.team):
-                    logger.warning(
-                        "request %s refused: its gateway named team %r, which "
-                        "does not exist (--output-rate-teams)",
-                        request_id,
-                        identity.team,
-                    )
-                    identity = None
+                refusal = shared.teams.join_request(identity.user, identity.team)
+            if refusal is None:
+                self._gateway_team_requests[request_id] = identity.user
+            else:
+                logger.warning("request %s refused: %s", request_id, refusal)
+                identity = None
         if identity is None:
             # Finished before any step: it is never scheduled.
             self.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
@@ -244,6 +249,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         request_id = request.request_id
         self._users.remove(request_id, paced=self.limiter.enabled)
+        gateway_member = self._gateway_team_requests.pop(request_id, None)
+        if gateway_member is not None:
+            with self.output_rate_shared.lock:
+                self.output_rate_shared.teams.leave_request(gateway_member)
+        self._identity.request_ended(request_id)
         throttled = self._steps.request_ended(request_id)
         if throttled is not None:
             # Read back by the API process when it builds the request's span.
@@ -401,6 +411,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                             live=self._users.live,
                             throttled=self._users.parked_counts,
                             now_ns=now_ns,
+                            gateway_teams=self.output_rate_shared.teams.gateway_teams,
                         ),
                     )
                 payload_builder.attach(stats, payload)

@@ -2,9 +2,12 @@
 
 With a gateway source (``--output-rate-user-source header:…`` or
 ``openai-user``) or a required user (``--output-rate-require-user``), the guard
-writes beside ``output_rate_user`` an attestation: an HMAC-SHA256 of the id
+writes beside ``output_rate_user`` a fresh random request binding and an
+attestation: an HMAC-SHA256 of the id, the team, the binding and the issue time
 under a key that exists only in the server's own processes. The scheduler
-charges a request to its named user only if the attestation matches; a request
+charges a request to its named user only if the attestation matches and is
+fresh, or belongs to a chain of engine requests still alive (``RequestIdentity``:
+the turns of one Responses tool loop share one request's extra args); a request
 that reached the engine any other way (a route, front end or vLLM version the
 guard does not cover) is charged to ``__anonymous__``, or refused when a user is
 required. So identity fails closed by construction, not by a list of paths.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -33,6 +37,7 @@ from pacing.identity import (
     XARGS_SOURCE,
     UserSource,
     user_from_extra_args,
+    validate_user,
 )
 
 # Under vLLM's logger so that its handlers, format and level apply.
@@ -44,10 +49,28 @@ ATTESTATION_FIELD: Final = "output_rate_attestation"
 KEY_ENV: Final = "OUTPUT_RATE_ATTESTATION_KEY"
 #: Key size in bytes (HMAC-SHA256's block-size-independent strength).
 KEY_BYTES: Final = 32
-#: How long an attestation is accepted after the guard issued it (seconds): the
-#: engine reads it when the request arrives, normally milliseconds later; the
-#: API server's preprocessing (media fetched from URLs, tokenizing) takes longer.
+#: Key beside ``USER_FIELD`` for the request binding: random, drawn by the guard
+#: per HTTP request and covered by the attestation. Not vLLM's engine request
+#: id: vLLM derives those per route (a Responses tool turn is
+#: ``<id>_<n>-<random>``, a parallel-sampling child and each prompt of a
+#: multi-prompt completion get their own), so the guard cannot know them.
+REQUEST_FIELD: Final = "output_rate_request"
+#: Random bytes in a binding (hex in ``REQUEST_FIELD``).
+BINDING_BYTES: Final = 16
+#: What ``new_binding`` writes; anything else is refused.
+_BINDING = re.compile(f"[0-9a-f]{{{2 * BINDING_BYTES}}}")
+#: The MAC's first field: names this message format, so that no tag of another
+#: format or purpose verifies as one of these.
+_DOMAIN: Final = b"output-rate-attestation/2"
+#: How long after the guard issued it an attestation is accepted for a binding
+#: the engine has not seen alive (seconds), and how long a binding's chain lives
+#: after its last request ended: the engine reads it when the request arrives,
+#: normally milliseconds later; the API server's preprocessing (media fetched
+#: from URLs, tokenizing) and a tool call between two turns take longer. vLLM's
+#: request log (``--enable-log-requests``) prints extra args: a tag read there is
+#: worth this long, or as long as its chain lives, for its user only.
 LIFETIME_S: Final = 300
+_LIFETIME_NS: Final = LIFETIME_S * 1_000_000_000
 #: How far in the future an issue time may be (seconds): engines started apart
 #: (``--headless``) read another host's clock.
 CLOCK_SKEW_S: Final = 30
@@ -90,18 +113,27 @@ def key_from(environ: Mapping[str, str]) -> bytes:
     return key
 
 
-def attest(key: bytes, user: str, issued_at: int, team: str | None = None) -> str:
-    """The attestation of ``user`` (already a valid id), and of ``team`` when
-    the gateway named one, under ``key``, issued at ``issued_at`` (Unix
-    seconds): ``"<issued_at>.<hex HMAC>"``. The time makes it expire: vLLM's
-    request log (``--enable-log-requests``) prints extra args, so an
-    attestation read there is worth ``LIFETIME_S`` at most. Ids hold no NUL
-    (``validate_user``), so the fields cannot run into each other."""
-    message = f"{issued_at}\x00{user}"
+def new_binding() -> str:
+    """A fresh request binding, for one HTTP request."""
+    return secrets.token_hex(BINDING_BYTES)
+
+
+def attest(
+    key: bytes, user: str, issued_at: int, *, binding: str, team: str | None = None
+) -> str:
+    """The attestation under ``key`` that the guard checked ``user`` (and
+    ``team``, when the gateway named one) for the HTTP request ``binding``
+    names, issued at ``issued_at`` (Unix seconds): ``"<issued_at>.<hex HMAC>"``.
+
+    The MAC covers a list of fields, each written as its UTF-8 length in
+    bytes, ``:`` and its bytes, so that no two lists share a message: no field
+    can run into the next, and no team is one field fewer, never a string.
+    """
+    fields = [_DOMAIN, str(issued_at).encode(), binding.encode(), user.encode()]
     if team is not None:
-        message += f"\x00{team}"
-    mac = hmac.new(key, message.encode(), hashlib.sha256)
-    return f"{issued_at}.{mac.hexdigest()}"
+        fields.append(team.encode())
+    message = b"".join(b"%d:%b" % (len(field), field) for field in fields)
+    return f"{issued_at}.{hmac.new(key, message, hashlib.sha256).hexdigest()}"
 
 
 class Identity(NamedTuple):
@@ -112,34 +144,43 @@ class Identity(NamedTuple):
     team: str | None = None
 
 
-def attested_identity(
-    key: bytes, extra_args: Mapping[str, Any] | None, now: float
-) -> Identity | None:
-    """The id (and team) ``extra_args`` names if its attestation matches and
-    was issued within ``LIFETIME_S`` before ``now`` (Unix seconds; up to
-    ``CLOCK_SKEW_S`` after it), else None (no id, no attestation, a forged,
-    expired or malformed one, or values of the wrong type)."""
+class Attestation(NamedTuple):
+    """What a matching attestation vouches for: who, for which HTTP request
+    (its binding), since when (Unix seconds)."""
+
+    identity: Identity
+    binding: str
+    issued_at: int
+
+
+def verify(key: bytes, extra_args: Mapping[str, Any] | None) -> Attestation | None:
+    """What the attestation in ``extra_args`` vouches for if it matches their
+    user, team and binding under ``key`` and those are what the guard writes
+    (ids that pass ``validate_user``, a binding of ``new_binding``'s form);
+    else None. Its age is the caller's to judge."""
     if not extra_args:
         return None
-    user = extra_args.get(USER_FIELD)
     tag = extra_args.get(ATTESTATION_FIELD)
-    team = extra_args.get(TEAM_FIELD)
-    if not isinstance(user, str) or not isinstance(tag, str):
+    binding = extra_args.get(REQUEST_FIELD)
+    if not isinstance(tag, str) or not isinstance(binding, str):
         return None
-    if team is not None and not isinstance(team, str):
+    if not _BINDING.fullmatch(binding):
+        return None
+    team = extra_args.get(TEAM_FIELD)
+    try:
+        user = validate_user(extra_args.get(USER_FIELD))
+        if team is not None:
+            team = validate_user(team)
+    except ValueError:
         return None
     issued_text, _, _ = tag.partition(".")
     if not issued_text.isascii() or not issued_text.isdigit() or len(issued_text) > 12:
         return None
     issued_at = int(issued_text)
-    if not now - LIFETIME_S <= issued_at <= now + CLOCK_SKEW_S:
+    expected = attest(key, user, issued_at, binding=binding, team=team).encode()
+    if not hmac.compare_digest(expected, tag.encode("utf-8", "replace")):
         return None
-    try:
-        expected = attest(key, user, issued_at, team).encode()
-    except UnicodeEncodeError:  # a lone surrogate
-        return None
-    sent = tag.encode("utf-8", "replace")
-    return Identity(user, team) if hmac.compare_digest(expected, sent) else None
+    return Attestation(Identity(user, team), binding, issued_at)
 
 
 #: Unattested or refused requests are logged at most this often (ns): a client
@@ -152,8 +193,11 @@ class RequestIdentity:
 
     Without the attested mode (the default source, no user required), the
     id in its extra args, as the client wrote it. In the attested mode, that id
-    only if the guard attested it; otherwise ``ANONYMOUS_USER``, or None (the
-    request is refused) when a user is required.
+    only if the guard attested it, at most ``LIFETIME_S`` ago or for a binding
+    whose chain is alive: a request with that binding is live here, or the last
+    one ended at most ``LIFETIME_S`` ago (the gap between two tool turns);
+    otherwise ``ANONYMOUS_USER``, or None (the request is refused) when a user
+    is required. The scheduler reports each request's end (``request_ended``).
     """
 
     def __init__(
@@ -166,12 +210,19 @@ class RequestIdentity:
     ) -> None:
         self._key = key
         self._require_user = require_user
-        #: Rate-limits the log lines (ns).
+        #: Rate-limits the log lines and times chains (monotonic ns).
         self._clock = clock
         #: Unix time, to check an attestation's age across processes and hosts.
         self._wall_clock = wall_clock
         self._logged_at_ns: int | None = None
         self._unlogged = 0
+        #: Per live request admitted on an attestation: its binding.
+        self._binding_of: dict[str, str] = {}
+        #: Per binding with live requests: how many.
+        self._live: dict[str, int] = {}
+        #: Per binding whose requests all ended: when the last did (ns), oldest
+        #: first; forgotten ``LIFETIME_S`` later.
+        self._ended: dict[str, int] = {}
 
     @classmethod
     def for_settings(
@@ -180,11 +231,12 @@ class RequestIdentity:
         require_user: bool,
         environ: Mapping[str, str],
         clock: Callable[[], int],
+        wall_clock: Callable[[], float] = time.time,
     ) -> RequestIdentity:
         """The identity rule of a server with these settings; raises
         AttestationKeyError when the attested mode has no key to check with."""
         key = key_from(environ) if attested_mode(source, require_user) else None
-        return cls(key, require_user=require_user, clock=clock)
+        return cls(key, require_user=require_user, clock=clock, wall_clock=wall_clock)
 
     def identify(
         self, request_id: str, extra_args: Mapping[str, Any] | None
@@ -202,9 +254,9 @@ class RequestIdentity:
                     "request %s: %s; charging it as %s", request_id, exc, ANONYMOUS_USER
                 )
                 return Identity(ANONYMOUS_USER)
-        identity = attested_identity(self._key, extra_args, self._wall_clock())
-        if identity is not None:
-            return identity
+        attestation = verify(self._key, extra_args)
+        if attestation is not None and self._admits(request_id, attestation):
+            return attestation.identity
         if self._require_user:
             self._log(
                 "request %s refused: its user id was not checked by the HTTP "
@@ -221,6 +273,41 @@ class RequestIdentity:
                 ANONYMOUS_USER,
             )
         return Identity(ANONYMOUS_USER)
+
+    def request_ended(self, request_id: str) -> None:
+        """Notes that ``request_id`` left the engine (finished or refused)."""
+        binding = self._binding_of.pop(request_id, None)
+        if binding is None:
+            return
+        left = self._live[binding] - 1
+        if left:
+            self._live[binding] = left
+        else:
+            del self._live[binding]
+            self._ended[binding] = self._clock()
+
+    def _admits(self, request_id: str, attestation: Attestation) -> bool:
+        """Whether ``attestation`` is fresh or its chain alive; if so, counts
+        ``request_id`` in its chain."""
+        now_ns = self._clock()
+        ended = self._ended
+        # Forgets the chains whose last request ended over LIFETIME_S ago.
+        while ended:
+            oldest, ended_at = next(iter(ended.items()))
+            if now_ns - ended_at <= _LIFETIME_NS:
+                break
+            del ended[oldest]
+        now = self._wall_clock()
+        issued_at, binding = attestation.issued_at, attestation.binding
+        if issued_at > now + CLOCK_SKEW_S:
+            return False
+        alive = binding in self._live or binding in ended
+        if issued_at < now - LIFETIME_S and not alive:
+            return False
+        self._binding_of[request_id] = binding
+        self._live[binding] = self._live.get(binding, 0) + 1
+        ended.pop(binding, None)
+        return True
 
     def _log(self, message: str, *args: object) -> None:
         now_ns = self._clock()

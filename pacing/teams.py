@@ -155,6 +155,18 @@ class TeamTable:
             self._members.setdefault(team, set()).add(user)
 
 
+def charged_team(
+    table: TeamTable, gateway_teams: Mapping[str, tuple[str, int]], user: str
+) -> str | None:
+    """The team ``user`` is charged to: the one its gateway named for its live
+    requests (``Teams.gateway_teams``) while that team exists, else its
+    membership in the operator's ``table``."""
+    named = gateway_teams.get(user)
+    if named is not None and table.rate_of(named[0]) is not None:
+        return named[0]
+    return table.team_of(user)
+
+
 @runtime_checkable
 class TeamGrants(Protocol):
     """A budget source that knows teams (``isinstance`` tells): the scheduler
@@ -181,6 +193,7 @@ class Teams:
         "cells",
         "changes",
         "charged",
+        "gateway_teams",
         "table",
         "throttled_steps",
         "vt",
@@ -216,6 +229,9 @@ class Teams:
         self.charged: dict[str, int] = {}
         #: team -> grants in which it bound (members got less than they asked).
         self.throttled_steps: dict[str, int] = {}
+        #: user -> [team its gateway named, live requests that named it]
+        #: (``--output-rate-team-source header:NAME``); never in ``table``.
+        self.gateway_teams: dict[str, tuple[str, int]] = {}
 
     # -- changing the table ------------------------------------------------
 
@@ -236,18 +252,40 @@ class Teams:
         self.budget = self.cells if budget is None else budget
         self.changes += 1
 
-    def assign(self, user: str, team: str) -> bool:
-        """Makes ``user`` a member of ``team`` as its gateway said
-        (``--output-rate-team-source header:NAME``); False, changing nothing,
-        when ``team`` does not exist (the request is refused: a team the
-        operator never defined must not lift its members' team cap)."""
+    def team_of(self, user: str) -> str | None:
+        """The team ``user`` is charged to (``charged_team``)."""
+        return charged_team(self.table, self.gateway_teams, user)
+
+    def join_request(self, user: str, team: str) -> str | None:
+        """Charges ``user`` to ``team`` for one more live request whose trusted
+        gateway header named it (``--output-rate-team-source header:NAME``),
+        storing nothing in the table; ``leave_request`` ends it. Returns why
+        the request is refused instead, changing nothing: a team the operator
+        never defined must not lift a cap, and one user's live requests are
+        charged to one team at a time."""
         if self.table.rate_of(team) is None:
-            return False
-        if self.table.team_of(user) != team:
-            self.table.set_membership(user, team)
+            return f"its gateway named team {team!r}, which does not exist"
+        named, live = self.gateway_teams.get(user, (team, 0))
+        if named != team:
+            return (
+                f"its gateway named team {team!r} while {live} live request(s) "
+                f"of {user!r} are charged to team {named!r}"
+            )
+        self.gateway_teams[user] = (team, live + 1)
+        if not live and self.table.team_of(user) != team:
             self.vt.pop(user, None)
             self.changes += 1
-        return True
+        return None
+
+    def leave_request(self, user: str) -> None:
+        """One request ``join_request`` admitted for ``user`` ended; with the
+        last one the user is back to its table membership."""
+        team, live = self.gateway_teams.pop(user)
+        if live > 1:
+            self.gateway_teams[user] = (team, live - 1)
+        elif self.table.team_of(user) != team:
+            self.vt.pop(user, None)
+            self.changes += 1
 
     def replace(self, table: TeamTable, now_ns: int) -> None:
         """Makes ``table`` the team table, keeping each remaining team's debt."""
@@ -256,7 +294,7 @@ class Teams:
         for team, rate in table.rates.items():
             self.cells.set_rate(team, rate, now_ns)
         self.table = table
-        self.vt = {u: v for u, v in self.vt.items() if table.team_of(u) is not None}
+        self.vt = {u: v for u, v in self.vt.items() if self.team_of(u) is not None}
         self.changes += 1
 
     # -- the fair queue ----------------------------------------------------
@@ -314,7 +352,7 @@ class Teams:
             alive = [self.vt.get(u, 0.0) for u in members if u in live]
             if alive:
                 floors[team] = min(alive)
-        team_of = self.table.team_of
+        team_of = self.team_of
         kept: dict[str, float] = {}
         for user, value in self.vt.items():
             member_of = team_of(user)
@@ -357,7 +395,7 @@ class TeamBudget:
         return changes + teams.budget.limit_changes
 
     def team_of(self, user: str) -> str | None:
-        team = self.teams.table.team_of(user)
+        team = self.teams.team_of(user)
         if team is None or not self.rate_of(user):
             return None
         return team
@@ -421,7 +459,7 @@ class TeamBudget:
         refused in, so the team did not bind (the fair queue orders members
         only while it does)."""
         remaining = self.base.take_each(counts, now_ns)
-        team_of = self.teams.table.team_of
+        team_of = self.teams.team_of
         rate_of = self.rate_of
         promised = self.promised
         totals: dict[str, int] = {}

@@ -1,7 +1,9 @@
 """Debian's nginx as the gateway in front of a vLLM server in end-to-end tests: it
-maps each API key (``Authorization: Bearer KEY``) to a user id and sets that id
-as a request header. ``gateway_config`` is the recipe docs/operating/identity.md shows;
-``start_gateway`` runs it on loopback inside a minimal nginx.conf of its own."""
+maps each API key (``Authorization: Bearer KEY``) to a user id and a team, sets
+the id as a request header and the team as another (removing a client-sent one
+for a key without a team). ``gateway_config`` is the recipe
+docs/operating/identity.md shows; ``start_gateway`` runs it on loopback inside a
+minimal nginx.conf of its own."""
 
 from __future__ import annotations
 
@@ -29,24 +31,42 @@ DOCS_EXAMPLE = {
     "upstream": "http://127.0.0.1:8000",
     "keys": {"sk-alice-1": "alice", "sk-alice-2": "alice", "sk-bob": "bob"},
     "header": "X-User-Id",
+    "teams": {"sk-alice-1": "acme", "sk-alice-2": "acme"},
+    "team_header": "X-Team-Id",
 }
 
 
 def gateway_config(
-    listen: str, upstream: str, keys: Mapping[str, str], header: str
+    listen: str,
+    upstream: str,
+    keys: Mapping[str, str],
+    header: str,
+    teams: Mapping[str, str],
+    team_header: str,
 ) -> str:
     """The ``map`` and ``server`` blocks (inside nginx's ``http`` block): a
     request with a key in ``keys`` goes to ``upstream`` with ``header`` set to
-    its user id, replacing any the client sent; any other gets 401."""
-    for value in (listen, upstream, header, *keys, *keys.values()):
+    its user id and ``team_header`` to its team in ``teams`` (absent for a key
+    without one), replacing any the client sent; any other gets 401."""
+    values = (listen, upstream, header, team_header, *keys, *keys.values())
+    for value in (*values, *teams, *teams.values()):
         if not _PLAIN.fullmatch(value):
             raise ValueError(f"{value!r} needs quoting this helper does not do")
     entries = "\n".join(f'    "Bearer {key}" "{user}";' for key, user in keys.items())
+    team_entries = "\n".join(
+        f'    "Bearer {key}" "{team}";' for key, team in teams.items()
+    )
     return f"""\
 # API key -> user id; any other Authorization maps to "".
 map $http_authorization $output_rate_user {{
     default "";
 {entries}
+}}
+
+# API key -> team; a key without one maps to "".
+map $http_authorization $output_rate_team {{
+    default "";
+{team_entries}
 }}
 
 server {{
@@ -59,6 +79,9 @@ server {{
         }}
         # Replaces every {header} the client sent, in any letter case.
         proxy_set_header {header} $output_rate_user;
+        # The same for {team_header}; an empty value is not sent at all, so a
+        # client-sent team never reaches vLLM.
+        proxy_set_header {team_header} $output_rate_team;
         # vLLM has no use for the key: keep it out of its logs.
         proxy_set_header Authorization "";
         proxy_pass {upstream};
@@ -88,13 +111,19 @@ class Gateway:
 
 
 def start_gateway(
-    workdir: Path, port: int, upstream: str, keys: Mapping[str, str], header: str
+    workdir: Path,
+    port: int,
+    upstream: str,
+    keys: Mapping[str, str],
+    header: str,
+    teams: Mapping[str, str],
+    team_header: str,
 ) -> Gateway:
     """Runs nginx in the foreground on 127.0.0.1:``port`` with the recipe of
     ``gateway_config``; its pid file, logs and temporary files stay in
     ``workdir``. Returns once the port accepts connections."""
     listen = f"127.0.0.1:{port}"
-    recipe = gateway_config(listen, upstream, keys, header)
+    recipe = gateway_config(listen, upstream, keys, header, teams, team_header)
     conf = workdir / "nginx.conf"
     conf.write_text(
         f"""\

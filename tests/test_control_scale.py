@@ -9,12 +9,9 @@ from collections import Counter
 
 import pytest
 
+from control.service.holds import KEYS_PER_HOLD, STATES_PER_HOLD
 from control.service.operations import LimitsService
-from control.service.user_states import (
-    KEYS_PER_HOLD,
-    MOST_THROTTLED_FIRST,
-    STATES_PER_HOLD,
-)
+from control.service.user_states import MOST_THROTTLED_FIRST
 from pacing.shared import Reading
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving

@@ -100,7 +100,9 @@ def header_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def gateway(header_server: VllmServer, tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("nginx")
-    gateway = start_gateway(workdir, free_port(), header_server.base_url, KEYS, HEADER)
+    gateway = start_gateway(
+        workdir, free_port(), header_server.base_url, KEYS, HEADER, {}, TEAM_HEADER
+    )
     yield gateway
     gateway.stop()
 
@@ -296,7 +298,8 @@ def test_a_route_the_guard_does_not_know_cannot_charge_a_named_user(
 def test_the_gateways_team_header_puts_its_user_under_the_team_cap(header_server):
     """carol (default limit, 1,000 tok/s) named in team gw-team (30 tok/s) by
     the gateway's header: paced at the team's rate, within GCRA's bound and at
-    least 97 % of it on the server's counters; the team counts her."""
+    least 97 % of it on the server's counters; the team is charged her tokens
+    and its members stay the table's."""
     headers = {HEADER: "carol", TEAM_HEADER: TEAM}
     streams, tokens = 2, 150
 
@@ -332,8 +335,10 @@ def test_the_gateways_team_header_puts_its_user_under_the_team_cap(header_server
         state = pb_grpc.OutputRateControlStub(channel).GetTeamState(
             pb.GetTeamStateRequest(name=f"teamStates/{TEAM}")
         )
-    assert state.member_count == 1
+    # Charged to the team, and never made a member of it: the header's team
+    # holds for its requests only, so the operator's table stays as it was.
     assert state.tokens_charged >= streams * tokens
+    assert state.member_count == 0
 
 
 @pytest.mark.server
@@ -352,6 +357,22 @@ def test_a_team_header_naming_no_team_is_refused(header_server, team, status):
     )
     assert response.status_code == status, response.text
     assert user_state(header_server.control_address, "dave") is None
+
+
+@pytest.mark.server
+def test_a_client_sent_team_header_never_reaches_the_engine_through_nginx(
+    header_server, gateway
+):
+    """bob's key has no team: nginx removes the X-Team-Id he sends. Had it
+    reached the engine, a team that does not exist would refuse the request
+    (the 500 of ``test_a_team_header_naming_no_team_is_refused``)."""
+    response = httpx.post(
+        f"{gateway.base_url}/v1/completions",
+        json={"model": header_server.model, "prompt": "hi", "max_tokens": 3},
+        headers={"Authorization": "Bearer sk-bob", "x-TEAM-id": "nosuch"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
 
 
 def test_the_documented_recipe_is_the_config_the_tests_run():

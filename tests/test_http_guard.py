@@ -24,6 +24,8 @@ from starlette.routing import Route
 import engine_ext.http_guard
 from engine_ext.http_guard import (
     GUARDED_PATHS,
+    MAX_SCORING_ITEMS,
+    SCORING_PATH,
     UNATTRIBUTED_PATHS,
     BodyShape,
     IdentityPolicy,
@@ -31,13 +33,24 @@ from engine_ext.http_guard import (
     Rejection,
     check_request_body,
 )
-from pacing.attestation import ATTESTATION_FIELD, KEY_BYTES, KEY_ENV, attest
+from pacing.attestation import (
+    ATTESTATION_FIELD,
+    BINDING_BYTES,
+    KEY_BYTES,
+    KEY_ENV,
+    REQUEST_FIELD,
+    attest,
+    new_binding,
+    verify,
+)
 from pacing.identity import parse_user_source, validate_user
 from pacing.settings.model import OutputRateSettings
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
 #: The guard's clock in these tests (Unix seconds).
 NOW = 1_800_000_000
+#: The request binding the guard draws in these tests.
+BINDING = "ab" * BINDING_BYTES
 #: The guarded paths with JSON bodies (the audio endpoints take forms).
 JSON_PATHS = {path: shape for path, shape in GUARDED_PATHS.items() if not shape.form}
 SAMPLING_PATHS = sorted(path for path, shape in JSON_PATHS.items() if shape.samples)
@@ -73,20 +86,26 @@ APP = guarded_app()
 @pytest.fixture(autouse=True)
 def attestation_key(monkeypatch: pytest.MonkeyPatch) -> str:
     """The key ``vllm serve`` puts in the environment in the attested mode,
-    and the guard's clock stopped at ``NOW`` so that what it writes is known."""
+    and the guard's clock stopped at ``NOW`` and its bindings at ``BINDING``
+    so that what it writes is known."""
     key = "11" * KEY_BYTES
     monkeypatch.setenv(KEY_ENV, key)
     monkeypatch.setattr(
         engine_ext.http_guard, "time", SimpleNamespace(time=lambda: NOW)
     )
+    monkeypatch.setattr(engine_ext.http_guard, "new_binding", lambda: BINDING)
     return key
 
 
 def written(user: str) -> dict[str, str]:
-    """What the guard writes in the attested mode: the id and its attestation
-    under ``attestation_key``'s key."""
+    """What the guard writes in the attested mode: the id, the binding and
+    their attestation under ``attestation_key``'s key."""
     key = bytes.fromhex("11" * KEY_BYTES)
-    return {"output_rate_user": user, ATTESTATION_FIELD: attest(key, user, NOW)}
+    return {
+        "output_rate_user": user,
+        REQUEST_FIELD: BINDING,
+        ATTESTATION_FIELD: attest(key, user, NOW, binding=BINDING),
+    }
 
 
 async def post(
@@ -302,6 +321,9 @@ def test_check_request_body_accepts_a_user_at_the_byte_limit():
 
 HEADER_APP = guarded_app(user_source="header:X-User-Id")
 OPENAI_USER_APP = guarded_app(user_source="openai-user")
+ALLOWED_UNATTRIBUTED_APP = guarded_app(
+    user_source="header:X-User-Id", allow_unattributed=True
+)
 REQUIRED = {
     source: guarded_app(user_source=source, require_user=True)
     for source in ("xargs", "header:X-User-Id", "openai-user")
@@ -453,6 +475,39 @@ async def test_a_client_sent_id_is_refused_in_the_gateway_modes(path, app):
     assert "--output-rate-user-source" in error["message"]
     if not shape.anthropic_errors:
         assert error["param"] == field
+
+
+@pytest.mark.parametrize(
+    "app", [HEADER_APP, REQUIRED["xargs"]], ids=["header", "required_xargs"]
+)
+@pytest.mark.parametrize("field", [REQUEST_FIELD, ATTESTATION_FIELD])
+@pytest.mark.anyio
+async def test_a_client_sent_binding_or_attestation_is_refused_in_the_attested_mode(
+    app, field
+):
+    sent = {"output_rate_user": "alice"} if app is REQUIRED["xargs"] else {}
+    body = with_xargs(COMPLETIONS, {**sent, field: BINDING}, prompt="hi")
+    response = await post("/v1/completions", body, app=app, headers={"x-user-id": "a"})
+    message = error_message(response)
+    assert message == f"vllm_xargs.{field} must not be sent: only this server writes it"
+
+
+@pytest.mark.anyio
+async def test_each_http_request_gets_a_binding_of_its_own(monkeypatch):
+    monkeypatch.setattr(engine_ext.http_guard, "new_binding", new_binding)
+    key = bytes.fromhex("11" * KEY_BYTES)
+    body = json.dumps({"prompt": "hi"}).encode()
+    seen = []
+    for _ in range(2):
+        response = await post(
+            "/v1/completions", body, app=HEADER_APP, headers={"x-user-id": "alice"}
+        )
+        xargs = extra_args(COMPLETIONS, response.content)
+        attestation = verify(key, xargs)
+        assert attestation is not None
+        assert attestation.identity == ("alice", None)
+        seen.append(attestation.binding)
+    assert seen[0] != seen[1]
 
 
 @pytest.mark.parametrize("value", [None, "null", 5])
@@ -617,9 +672,9 @@ async def test_render_paths_need_no_user_they_charge_nobody(path):
 
 @pytest.mark.parametrize("path", sorted(UNATTRIBUTED_PATHS))
 @pytest.mark.anyio
-async def test_paths_no_id_can_reach_are_refused_only_when_a_user_is_required(path):
+async def test_paths_no_id_can_reach_are_anonymous_only_without_a_gateway(path):
     body = b'{"any": "body"}'
-    for app in (APP, HEADER_APP):
+    for app in (APP, ALLOWED_UNATTRIBUTED_APP):
         response = await post(path, body, app=app, headers={"x-user-id": "alice"})
         assert response.content == body
     response = await post(
@@ -630,6 +685,29 @@ async def test_paths_no_id_can_reach_are_refused_only_when_a_user_is_required(pa
         "this endpoint cannot carry one to the scheduler"
         in (response.json()["error"]["message"])
     )
+
+
+@pytest.mark.parametrize("path", sorted(UNATTRIBUTED_PATHS))
+@pytest.mark.parametrize("app", [HEADER_APP, OPENAI_USER_APP], ids=["header", "user"])
+@pytest.mark.anyio
+async def test_a_gateway_tenant_cannot_choose_the_anonymous_budget_by_route(path, app):
+    response = await post(path, b"{}", app=app, headers={"x-user-id": "alice"})
+    assert response.status_code == 403
+    error = response.json()["error"]
+    assert error["type"] == "PermissionDeniedError"
+    assert "--output-rate-allow-unattributed-routes" in error["message"]
+
+
+@pytest.mark.anyio
+async def test_generative_scoring_fans_out_to_at_most_the_bound():
+    items = ["x"] * MAX_SCORING_ITEMS
+    for app in (APP, ALLOWED_UNATTRIBUTED_APP):
+        within = json.dumps({"query": "q", "items": items}).encode()
+        assert (await post(SCORING_PATH, within, app=app)).content == within
+        beyond = json.dumps({"query": "q", "items": [*items, "x"]}).encode()
+        response = await post(SCORING_PATH, beyond, app=app)
+        assert f"at most {MAX_SCORING_ITEMS} entries" in error_message(response)
+        assert response.json()["error"]["param"] == "items"
 
 
 @pytest.mark.parametrize(
@@ -669,9 +747,8 @@ def anyio_backend() -> str:
 # -- GUARDED_PATHS against vLLM's own app ------------------------------------
 #
 # vLLM's real FastAPI app is built with every optional router on (scale-out,
-# tokens-only, dev mode) for the "generate" task, the only task pacing serves: the
-# transcription/realtime routes (whose models are multimodal or encoder-decoder)
-# and pooling routes (no output tokens) never exist on a paced server.
+# tokens-only, dev mode, Cohere) for the generation tasks, and a pooling model's
+# routes added: whichever model a paced server serves, its routes are here.
 # Two checks: (1) every POST route whose body model declares ``vllm_xargs`` or a
 # ``SamplingParams`` is guarded, with the body shape the model implies; (2) every
 # other POST route is in the reviewed list below, so a route a new vLLM adds,
@@ -692,6 +769,16 @@ REVIEWED_UNGUARDED = {
     "/v1/systemone": _NO_XARGS,
     "/generative_scoring": _NO_XARGS,
     "/cohere/v2/chat": _NO_XARGS,
+    # Pooling models' routes: pooling params, no sampling.
+    "/pooling": _NO_XARGS,
+    "/classify": _NO_XARGS,
+    "/v1/embeddings": _NO_XARGS,
+    "/v2/embed": _NO_XARGS,
+    "/score": _NO_XARGS,
+    "/v1/score": _NO_XARGS,
+    "/rerank": _NO_XARGS,
+    "/v1/rerank": _NO_XARGS,
+    "/v2/rerank": _NO_XARGS,
     "/cohere/v2/chat/render": _NO_ENGINE,
     "/ping": _ADMIN,
     "/v1/responses/{response_id}/cancel": _ADMIN,
@@ -721,6 +808,8 @@ REVIEWED_UNGUARDED = {
 
 #: Every task whose routes can submit a generation request.
 SUPPORTED_TASKS = ("generate", "transcription", "realtime")
+#: The pooling tasks, whose routes submit pooling requests.
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify", "plugin")
 
 
 @pytest.fixture(scope="module")
@@ -730,6 +819,7 @@ def vllm_post_routes() -> dict[str, Any]:
     from fastapi.routing import APIRoute
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.pooling.factories import register_pooling_api_routers
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(
@@ -739,6 +829,9 @@ def vllm_post_routes() -> dict[str, Any]:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")
         env.setenv("VLLM_ENABLE_COHERE_API", "1")
         app = build_app(args, supported_tasks=SUPPORTED_TASKS)
+    # A pooling model's routes (the routers read only its pooling task).
+    pooling_model = SimpleNamespace(get_pooling_task=lambda tasks: "embed")
+    register_pooling_api_routers(app, POOLING_TASKS, pooling_model)  # type: ignore[arg-type]
     return {
         route.path: route.body_field.field_info.annotation if route.body_field else None
         for route in app.routes

@@ -26,7 +26,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_ext import http_guard
 from engine_ext.http_guard import GUARDED_PATHS, OutputRateRequestGuard
-from pacing.attestation import ATTESTATION_FIELD, KEY_BYTES, KEY_ENV, attest
+from pacing.attestation import (
+    ATTESTATION_FIELD,
+    BINDING_BYTES,
+    KEY_BYTES,
+    KEY_ENV,
+    REQUEST_FIELD,
+    attest,
+)
 from pacing.settings.model import OutputRateSettings
 
 FORM_PATHS = sorted(path for path, shape in GUARDED_PATHS.items() if shape.form)
@@ -36,6 +43,8 @@ HEADER = "x-user-id"
 KEY = bytes.fromhex("22" * KEY_BYTES)
 #: The guard's clock in these tests (Unix seconds).
 NOW = 1_800_000_000
+#: The request binding the guard draws in these tests.
+BINDING = "ef" * BINDING_BYTES
 BOUNDARY = "test-boundary-4f1c"
 AUDIO = ("a.wav", b'RIFF\x00\x01\x02"\r\n--not-a-boundary\r\n\xff', "audio/wav")
 
@@ -43,9 +52,11 @@ AUDIO = ("a.wav", b'RIFF\x00\x01\x02"\r\n--not-a-boundary\r\n\xff', "audio/wav")
 @pytest.fixture(autouse=True)
 def attestation_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The key ``vllm serve`` puts in the environment in the attested mode,
-    and the guard's clock stopped at ``NOW`` so that what it writes is known."""
+    and the guard's clock stopped at ``NOW`` and its bindings at ``BINDING``
+    so that what it writes is known."""
     monkeypatch.setenv(KEY_ENV, KEY.hex())
     monkeypatch.setattr(http_guard, "time", SimpleNamespace(time=lambda: NOW))
+    monkeypatch.setattr(http_guard, "new_binding", lambda: BINDING)
 
 
 async def form_echo(request: Request) -> JSONResponse:
@@ -169,7 +180,8 @@ async def test_a_gateway_id_is_written_into_the_form_with_its_attestation():
                 {
                     "keep": 1,
                     "output_rate_user": "alice",
-                    ATTESTATION_FIELD: attest(KEY, "alice", NOW),
+                    REQUEST_FIELD: BINDING,
+                    ATTESTATION_FIELD: attest(KEY, "alice", NOW, binding=BINDING),
                 }
             ),
         ],
@@ -187,6 +199,10 @@ async def test_a_gateway_id_is_written_into_the_form_with_its_attestation():
         (
             {"vllm_xargs": json.dumps({ATTESTATION_FIELD: "0" * 64})},
             f"vllm_xargs.{ATTESTATION_FIELD} must not be sent",
+        ),
+        (
+            {"vllm_xargs": json.dumps({REQUEST_FIELD: BINDING})},
+            f"vllm_xargs.{REQUEST_FIELD} must not be sent",
         ),
         (
             [("vllm_xargs", "{}"), ("vllm_xargs", "{}")],
@@ -234,7 +250,14 @@ FIELD_NAMES = st.sampled_from(
 FIELD_VALUES = st.one_of(
     st.text(max_size=20),
     st.just(json.dumps({"output_rate_user": "mallory"})),
-    st.just(json.dumps({ATTESTATION_FIELD: attest(KEY, "mallory", NOW)})),
+    st.just(
+        json.dumps(
+            {
+                REQUEST_FIELD: BINDING,
+                ATTESTATION_FIELD: attest(KEY, "mallory", NOW, binding=BINDING),
+            }
+        )
+    ),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3).map(json.dumps),
     st.sampled_from(["true", "false", "{", "[]", "null", '"s"']),
 )
@@ -275,20 +298,31 @@ def test_fuzzed_forms_get_200_with_exactly_the_gateways_id_or_400(fields, user):
         assert [[n, v] for n, v in echoed if n != "file"] == [list(f) for f in fields]
         return
     assert xargs["output_rate_user"] == user
-    assert xargs[ATTESTATION_FIELD] == attest(KEY, user, NOW)
+    assert xargs[REQUEST_FIELD] == BINDING
+    assert xargs[ATTESTATION_FIELD] == attest(KEY, user, NOW, binding=BINDING)
     # Every other field reaches the app as it was sent, in order.
     others = [[n, v] for n, v in echoed if n not in ("vllm_xargs", "file")]
     assert others == [[n, v] for n, v in fields if n != "vllm_xargs"]
 
 
-def test_a_websocket_is_anonymous_unless_a_user_is_required():
-    with TestClient(HEADER_APP).websocket_connect(REALTIME) as socket:
-        assert socket.receive_text() == "session.created"
-    required = TestClient(REQUIRED_APP)
-    with (
-        pytest.raises(WebSocketDisconnect) as closed,
-        required.websocket_connect(REALTIME, headers={HEADER: "alice"}) as socket,
+def test_a_websocket_is_anonymous_only_without_a_gateway_or_where_allowed():
+    for app in (
+        form_app(),
+        form_app(user_source=f"header:{HEADER}", allow_unattributed=True),
     ):
-        socket.receive_text()
-    assert closed.value.code == 1008
-    assert "websocket cannot carry" in closed.value.reason
+        with TestClient(app).websocket_connect(REALTIME) as socket:
+            assert socket.receive_text() == "session.created"
+    for app, flag in (
+        (REQUIRED_APP, "--output-rate-require-user"),
+        (HEADER_APP, "--output-rate-allow-unattributed-routes"),
+    ):
+        with (
+            pytest.raises(WebSocketDisconnect) as closed,
+            TestClient(app).websocket_connect(
+                REALTIME, headers={HEADER: "alice"}
+            ) as socket,
+        ):
+            socket.receive_text()
+        assert closed.value.code == 1008
+        assert "websocket cannot carry" in closed.value.reason
+        assert flag in closed.value.reason

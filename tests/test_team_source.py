@@ -25,8 +25,10 @@ from pacing.attestation import (
     ATTESTATION_FIELD,
     KEY_BYTES,
     KEY_ENV,
+    REQUEST_FIELD,
     attest,
-    attested_identity,
+    new_binding,
+    verify,
 )
 from pacing.identity import TEAM_FIELD, USER_FIELD, parse_team_source
 from pacing.settings.checks import SettingsError
@@ -130,12 +132,14 @@ async def test_the_guard_writes_the_gateways_team_attested_with_the_user(
     )
     assert response.status_code == 200
     xargs = response.json()["vllm_xargs"]
+    binding = xargs[REQUEST_FIELD]
     assert xargs == {
         USER_FIELD: "alice",
         TEAM_FIELD: "acme",
-        ATTESTATION_FIELD: attest(KEY, "alice", NOW, "acme"),
+        REQUEST_FIELD: binding,
+        ATTESTATION_FIELD: attest(KEY, "alice", NOW, binding=binding, team="acme"),
     }
-    assert attested_identity(KEY, xargs, NOW) == ("alice", "acme")
+    assert verify(KEY, xargs) == (("alice", "acme"), binding, NOW)
 
 
 @pytest.mark.anyio
@@ -183,18 +187,20 @@ async def test_a_client_cannot_name_its_team_in_the_body(settings):
 
 
 def test_the_attestation_covers_the_team():
+    binding = new_binding()
     xargs = {
         USER_FIELD: "alice",
         TEAM_FIELD: "acme",
-        ATTESTATION_FIELD: attest(KEY, "alice", NOW),  # the user's alone
+        REQUEST_FIELD: binding,
+        ATTESTATION_FIELD: attest(KEY, "alice", NOW, binding=binding),  # alone
     }
-    assert attested_identity(KEY, xargs, NOW) is None
-    xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, "beta")  # another team
-    assert attested_identity(KEY, xargs, NOW) is None
-    xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, "acme")
-    assert attested_identity(KEY, xargs, NOW) == ("alice", "acme")
+    assert verify(KEY, xargs) is None
+    xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, binding=binding, team="beta")
+    assert verify(KEY, xargs) is None  # another team
+    xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, binding=binding, team="acme")
+    assert verify(KEY, xargs) == (("alice", "acme"), binding, NOW)
     del xargs[TEAM_FIELD]  # the team dropped on the way
-    assert attested_identity(KEY, xargs, NOW) is None
+    assert verify(KEY, xargs) is None
 
 
 # -- the scheduler --------------------------------------------------------------
@@ -205,15 +211,17 @@ def as_gateway_sends(user: str, team: str | None, attestation_team: str | None):
     extra = request.sampling_params.extra_args
     if team is not None:
         extra[TEAM_FIELD] = team
-    extra[ATTESTATION_FIELD] = attest(KEY, user, int(time.time()), attestation_team)
+    binding = extra[REQUEST_FIELD] = new_binding()
+    extra[ATTESTATION_FIELD] = attest(
+        KEY, user, int(time.time()), binding=binding, team=attestation_team
+    )
     return request
 
 
 @SYNC_AND_ASYNC
 def test_the_gateways_team_decides_the_users_team_cap(tiny_model_dir, async_scheduling):
     """Alice arrives named in team beta (20 tok/s) by her gateway: over 10 s
-    the team's cell holds her to 20 tok/s + the burst; a later request names
-    acme and moves her there."""
+    the team's cell holds her to 20 tok/s + the burst."""
     scheduler, driver = driven_scheduler(
         tiny_model_dir,
         async_scheduling,
@@ -223,10 +231,64 @@ def test_the_gateways_team_decides_the_users_team_cap(tiny_model_dir, async_sche
     driver.add([as_gateway_sends("alice", "beta", "beta") for _ in range(3)])
     driver.run(1_000, step_ms=10.0)  # 10 s
     teams = scheduler.output_rate_shared.teams
-    assert teams.table.team_of("alice") == "beta"
+    assert teams.team_of("alice") == "beta"
     assert 20 * 10 <= teams.charged["beta"] <= 20 * 10.1 + 1
-    driver.add([as_gateway_sends("alice", "acme", "acme")])
-    assert teams.table.team_of("alice") == "acme"
+
+
+@SYNC_AND_ASYNC
+def test_a_header_team_holds_for_its_requests_only_and_is_never_stored(
+    tiny_model_dir, async_scheduling
+):
+    """The team a gateway names is the team of that request, while it lives:
+    the operator's membership table never changes (so neither the limits
+    file nor the store's table can learn it), and once alice's beta requests
+    end, a request naming no team is charged to no team."""
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir, async_scheduling, default_rate=10_000, output_rate=GATEWAY
+    )
+    teams = scheduler.output_rate_shared.teams
+    named = [as_gateway_sends("alice", "beta", "beta") for _ in range(2)]
+    driver.add(named)
+    driver.run(100)
+    assert teams.team_of("alice") == "beta"
+    assert teams.table.memberships == {}
+    scheduler.finish_requests(
+        [r.request_id for r in named], RequestStatus.FINISHED_ABORTED
+    )
+    driver.settle()
+    assert teams.team_of("alice") is None
+    assert teams.gateway_teams == {}
+    team_charged = teams.charged["beta"]
+    alice_charged = scheduler.accounting.of("alice").charged
+    driver.add([as_gateway_sends("alice", None, None)])
+    driver.run(100)
+    assert teams.charged["beta"] == team_charged
+    assert scheduler.accounting.of("alice").charged > alice_charged
+
+
+@SYNC_AND_ASYNC
+def test_a_request_naming_another_team_while_others_live_is_refused(
+    tiny_model_dir, async_scheduling
+):
+    """One user's live requests are charged to one team: a request naming
+    another is refused before any step; once they end, the other team is
+    hers for the requests that name it."""
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir, async_scheduling, default_rate=10_000, output_rate=GATEWAY
+    )
+    teams = scheduler.output_rate_shared.teams
+    beta = as_gateway_sends("alice", "beta", "beta")
+    driver.add([beta])
+    other = as_gateway_sends("alice", "acme", "acme")
+    driver.add([other])
+    assert other.status == RequestStatus.FINISHED_ERROR
+    assert teams.gateway_teams == {"alice": ("beta", 1)}
+    scheduler.finish_requests([beta.request_id], RequestStatus.FINISHED_ABORTED)
+    acme = as_gateway_sends("alice", "acme", "acme")
+    driver.add([acme])
+    assert acme.status != RequestStatus.FINISHED_ERROR
+    assert teams.team_of("alice") == "acme"
+    assert teams.table.memberships == {}
 
 
 @SYNC_AND_ASYNC
@@ -239,7 +301,7 @@ def test_a_team_that_does_not_exist_refuses_the_request(
     request = as_gateway_sends("alice", "nosuch", "nosuch")
     driver.add([request])
     assert request.status == RequestStatus.FINISHED_ERROR
-    assert scheduler.output_rate_shared.teams.table.team_of("alice") is None
+    assert scheduler.output_rate_shared.teams.team_of("alice") is None
 
 
 @SYNC_AND_ASYNC
@@ -252,4 +314,4 @@ def test_a_team_added_past_the_guard_does_not_count(tiny_model_dir, async_schedu
     request = as_gateway_sends("alice", "acme", None)
     driver.add([request])
     assert scheduler.user_of(request) == "__anonymous__"
-    assert scheduler.output_rate_shared.teams.table.team_of("alice") is None
+    assert scheduler.output_rate_shared.teams.team_of("alice") is None

@@ -3,10 +3,11 @@ the updates of a watch (validated once by ``plan_watch``).
 
 Invariant: a read never holds ``shared.lock`` (held by the scheduler for each
 step) for more than ``KEYS_PER_HOLD`` users' sort keys or ``STATES_PER_HOLD``
-users' states, whatever the number of users, so a step waits behind a read
-for at most about a millisecond. The names are copied under one hold (C-level
-copies, no per-user Python work), the keys read hold after hold, the page
-chosen off the lock, then its states read hold after hold. Each state is of
+users' states (``control.service.holds``), whatever the number of users, so
+a step waits behind a read for at most about a millisecond. The names are
+copied under one hold (C-level copies, no per-user Python work), the keys read
+hold after hold, the page chosen off the lock, then its states read hold after
+hold. Each state is of
 one instant (one ``Reading``); the states of one page may be of a few
 consecutive step boundaries, and the order is that of the keys as read.
 """
@@ -14,7 +15,6 @@ consecutive step boundaries, and the order is that of the keys as read.
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,7 @@ from control import names
 from control.errors import InvalidArgument, NotFound
 from control.pagination import PageTokens
 from control.resources import FairShareState, UserState
+from control.service.holds import KEYS_PER_HOLD, STATES_PER_HOLD, let_a_step_in
 from control.service.ordering import MAX_PAGE_SIZE, Order, page_size, resume
 from control.table import shown
 from pacing.budget import StoreViews
@@ -35,11 +36,6 @@ MIN_WATCH_INTERVAL_NS = 100_000_000
 MAX_WATCH_INTERVAL_NS = 60_000_000_000
 DEFAULT_WATCH_INTERVAL_NS = 1_000_000_000
 DEFAULT_WATCH_USERS = 20
-#: Users whose sort key one hold of the scheduler's lock reads (a key costs
-#: about 1 µs there) and users whose state it reads (a state about 20 µs):
-#: each hold about a millisecond at most.
-KEYS_PER_HOLD = 500
-STATES_PER_HOLD = 50
 MAX_WATCH_NAMES = 100
 #: Most throttled users first: the order of a watch that names none, and the
 #: CLI's default for listing user states.
@@ -144,7 +140,7 @@ def _first(
         chunk = names[start : start + KEYS_PER_HOLD]
         with shared.lock:
             keys = order.keys(shared.read(), chunk)
-        _let_a_step_in()
+        let_a_step_in()
         if after is not None:
             keys = [key for key in keys if key > after]
         first = heapq.nsmallest(count, [*first, *keys])
@@ -164,15 +160,8 @@ def _states_in_holds(shared: SharedLimiter, users: Sequence[str]) -> list[UserSt
                 if _knows(shared, reading, user)
             ]
             states += _states(shared, reading, known)
-        _let_a_step_in()
+        let_a_step_in()
     return states
-
-
-def _let_a_step_in() -> None:
-    """Gives the scheduler's thread, if it waits on the lock just released, the
-    chance to take it: a released ``threading.Lock`` is not handed over, and
-    this thread, holding the GIL, would otherwise take it again at once."""
-    time.sleep(0)
 
 
 def _users(shared: SharedLimiter) -> list[str]:

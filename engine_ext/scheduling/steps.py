@@ -83,7 +83,7 @@ class Steps:
             book,
             shared.accounting,
             shared.limiter.tier_of,
-            lambda user: shared.teams.table.team_of(user),
+            lambda user: shared.teams.team_of(user),
         )
         self.engine_late = EngineLate()
         #: Draft tokens charged in the steps in flight, refunded once rejected.

@@ -32,6 +32,7 @@ from pacing.settings.fair_share import config_from_flag, weights_from_flag
 from pacing.settings.flags import (
     ADDRESS_FLAG,
     ADDRESS_OFF,
+    ALLOW_UNATTRIBUTED_FLAG,
     CONFIG_FLAG,
     DEFAULT_ADDRESS,
     DEFAULT_RATE_FLAG,
@@ -180,6 +181,15 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
         action="store_true",
         help="Refuse (401) a request that names no user, instead of charging it "
         "to __anonymous__.",
+    )
+    group.add_argument(
+        ALLOW_UNATTRIBUTED_FLAG,
+        action="store_true",
+        help="With a gateway --output-rate-user-source: serve the routes that "
+        "cannot carry a user id to the scheduler (/generative_scoring, "
+        "/v1/systemone, /cohere/v2/chat, pooling routes, the /v1/realtime "
+        "websocket), charged to __anonymous__. Refused (403) by default, so that "
+        "no tenant can spend the anonymous budget by choosing a route.",
     )
     group.add_argument(
         FAIR_SHARE_FLAG,

@@ -21,6 +21,7 @@ EXEMPT_TIERS_FLAG = "--output-rate-exempt-tiers"
 USER_SOURCE_FLAG = "--output-rate-user-source"
 TEAM_SOURCE_FLAG = "--output-rate-team-source"
 REQUIRE_USER_FLAG = "--output-rate-require-user"
+ALLOW_UNATTRIBUTED_FLAG = "--output-rate-allow-unattributed-routes"
 FAIR_SHARE_FLAG = "--output-rate-fair-share"
 WEIGHTS_FLAG = "--output-rate-weights"
 FAIR_SHARE_CONFIG_FLAG = "--output-rate-fair-share-config"
@@ -47,6 +48,7 @@ SETTING_FLAGS = {
     "user_source": USER_SOURCE_FLAG,
     "team_source": TEAM_SOURCE_FLAG,
     "require_user": REQUIRE_USER_FLAG,
+    "allow_unattributed": ALLOW_UNATTRIBUTED_FLAG,
     "fair_share": FAIR_SHARE_FLAG,
     "user_weights": WEIGHTS_FLAG,
     "tier_weights": WEIGHTS_FLAG,

@@ -25,6 +25,7 @@ in ``pacing.settings.checks``.
       "user_source": "xargs",          # or "header:NAME", "openai-user"
       "team_source": "table",          # or "header:NAME" (a gateway's)
       "require_user": false,           # true: no id is a 401, not __anonymous__
+      "allow_unattributed": false,     # true: serve routes no id reaches (gateway)
       "fair_share": false,             # weighted fair share (pacing.fair_share)
       "fair_share_config": {"prompt_price": 1, "output_price": 2,
                             "hysteresis": 1024, "min_run_tokens": 16},
@@ -92,6 +93,7 @@ from pacing.settings.fair_share import (
 )
 from pacing.settings.flags import (
     ADDRESS_OFF,
+    ALLOW_UNATTRIBUTED_FLAG,
     CONTROL_FLAGS,
     DEFAULT_ADDRESS,
     DEFAULT_RATE_FLAG,
@@ -225,6 +227,9 @@ class OutputRateSettings:
     exempt_tiers: frozenset[str] = frozenset()
     user_source: UserSource = XARGS_SOURCE
     require_user: bool = False
+    #: Serve routes no user id can reach (charged to ``__anonymous__``) with a
+    #: gateway source; refused by default (``engine_ext.http_guard``).
+    allow_unattributed: bool = False
     control: ControlSettings | None = None
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     store: StoreSettings | None = None
@@ -266,6 +271,19 @@ class OutputRateSettings:
         if not isinstance(self.require_user, bool):
             raise SettingsError(
                 f"{REQUIRE_USER_FLAG} must be a boolean, got {self.require_user!r}"
+            )
+        if not isinstance(self.allow_unattributed, bool):
+            raise SettingsError(
+                f"{ALLOW_UNATTRIBUTED_FLAG} must be a boolean, got "
+                f"{self.allow_unattributed!r}"
+            )
+        if self.allow_unattributed and (
+            self.user_source == XARGS_SOURCE or self.require_user
+        ):
+            raise SettingsError(
+                f"{ALLOW_UNATTRIBUTED_FLAG} needs a gateway user source "
+                f"({USER_SOURCE_FLAG} header:NAME or openai-user) without "
+                f"{REQUIRE_USER_FLAG}: only then are those routes refused"
             )
         if not isinstance(self.fair_share, bool):
             raise SettingsError(
@@ -391,6 +409,7 @@ class OutputRateSettings:
             "user_source": getattr(args, dest(USER_SOURCE_FLAG)),
             "team_source": getattr(args, dest(TEAM_SOURCE_FLAG)),
             "require_user": getattr(args, dest(REQUIRE_USER_FLAG)),
+            "allow_unattributed": getattr(args, dest(ALLOW_UNATTRIBUTED_FLAG)),
         }
         user_weights, tier_weights, team_weights = weights_from_flag(
             getattr(args, dest(WEIGHTS_FLAG))
@@ -474,6 +493,9 @@ class OutputRateSettings:
         require_user = entry.get("require_user")
         if require_user is not None and not isinstance(require_user, bool):
             raise SettingsError(f"{where}['require_user'] must be a boolean")
+        allow_unattributed = entry.get("allow_unattributed")
+        if allow_unattributed is not None and not isinstance(allow_unattributed, bool):
+            raise SettingsError(f"{where}['allow_unattributed'] must be a boolean")
         control = None
         if (control_entry := entry.get("control")) is not None:
             check_keys(
@@ -513,6 +535,7 @@ class OutputRateSettings:
             exempt_tiers=names_entry(entry, "exempt_tiers", where),
             user_source=XARGS_SOURCE if user_source is None else user_source,
             require_user=bool(require_user),
+            allow_unattributed=bool(allow_unattributed),
             control=control,
             metrics=MetricsSettings(**metrics),
             store=store,
@@ -543,6 +566,8 @@ class OutputRateSettings:
             "metrics": asdict(self.metrics),
         }
         # Only when used: the entry of an operator who uses none stays as it was.
+        if self.allow_unattributed:
+            entry["allow_unattributed"] = True
         if self.fair_share:
             entry["fair_share"] = True
         if self.fair_share_config != FairShareSettings():
