@@ -127,9 +127,9 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: Requests refused for want of a checked user id, finished but not yet
         #: reported to their client (the next ``update_from_output`` does).
         self._refused: list[Request] = []
-        #: request id -> its user, for requests charged to the team their
-        #: gateway named (``pacing.teams.Teams.join_request``) until they end.
-        self._gateway_team_requests: dict[str, str] = {}
+        #: Requests charged to the team their gateway named
+        #: (``pacing.teams.Teams.join_request``) until they end.
+        self._gateway_team_requests: set[str] = set()
         #: What attached through the core's registration point (the control
         #: plane, when the settings ask for one); stopped at shutdown.
         self.output_rate_attachments: list[attachments.Attachment] = []
@@ -233,7 +233,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             with shared.lock:
                 refusal = shared.teams.join_request(identity.user, identity.team)
             if refusal is None:
-                self._gateway_team_requests[request_id] = identity.user
+                self._gateway_team_requests.add(request_id)
             else:
                 logger.warning("request %s refused: %s", request_id, refusal)
                 identity = None
@@ -248,11 +248,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         self, request: Request, delay_free_blocks: bool = False
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         request_id = request.request_id
-        self._users.remove(request_id, paced=self.limiter.enabled)
-        gateway_member = self._gateway_team_requests.pop(request_id, None)
-        if gateway_member is not None:
+        if request_id in self._gateway_team_requests:
+            self._gateway_team_requests.remove(request_id)
             with self.output_rate_shared.lock:
-                self.output_rate_shared.teams.leave_request(gateway_member)
+                self.output_rate_shared.teams.leave_request(self.user_of(request))
+        self._users.remove(request_id, paced=self.limiter.enabled)
         self._identity.request_ended(request_id)
         throttled = self._steps.request_ended(request_id)
         if throttled is not None:

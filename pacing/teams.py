@@ -229,7 +229,7 @@ class Teams:
         self.charged: dict[str, int] = {}
         #: team -> grants in which it bound (members got less than they asked).
         self.throttled_steps: dict[str, int] = {}
-        #: user -> [team its gateway named, live requests that named it]
+        #: user -> (team its gateway named, live requests that named it)
         #: (``--output-rate-team-source header:NAME``); never in ``table``.
         self.gateway_teams: dict[str, tuple[str, int]] = {}
 
