@@ -393,7 +393,7 @@ class LimitsSync:
 def _weights(share: SharePolicy) -> tuple[Any, ...]:
     """The weights of ``share`` (part of the table: they move the table etag;
     the switch does not, like the mode)."""
-    return (dict(share.users), dict(share.tiers))
+    return (dict(share.users), dict(share.tiers), dict(share.teams))
 
 
 def _entries(source: LimitTable | OutputRateLimiter) -> tuple[Any, ...]:

@@ -348,6 +348,34 @@ def test_teams_their_members_and_weights_reach_every_engine(redis_url, client):
         assert dict(limits.share.teams) == {"acme": 2.0}
 
 
+def test_a_change_of_team_weights_alone_moves_the_table_and_is_counted(
+    redis_url, client
+):
+    """A team's weight is part of the table: an engine that applies another's
+    change of it alone moves its table etag and counts (and logs) the version,
+    as for user and tier weights."""
+    with fleet(redis_url, 2) as (first, second):
+        first.stub.CreateTeam(
+            pb.CreateTeamRequest(
+                team_id="acme", team=pb.Team(tokens_per_second=60, weight=2.0)
+            )
+        )
+        wait_for(lambda: second.rig.shared.fair_share.weights.teams, SPREAD_S)
+        etag, applied = table_etag(second), second.sync.applied
+        first.stub.UpdateTeam(
+            pb.UpdateTeamRequest(
+                team=pb.Team(name="teams/acme", weight=5.0),
+                update_mask=FieldMask(paths=["weight"]),
+            )
+        )
+        wait_for(
+            lambda: second.rig.shared.fair_share.weights.teams == {"acme": 5.0},
+            SPREAD_S,
+        )
+        assert table_etag(second) != etag
+        assert second.sync.applied == applied + 1
+
+
 def test_a_lost_message_is_made_good_by_the_periodic_read(redis_url, client):
     with fleet(redis_url, 2, period_s=0.2) as engines:
         version = write_unannounced(client, Limits(33, LimitTable({"bob": 3})))
