@@ -72,6 +72,8 @@ from pacing.global_limits import LimitsVersion
 from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.periodic import Periodic
+from pacing.policy.document import DEFAULT_RATE_KEY
+from pacing.settings.flags import DEFAULT_RATE_FLAG, POLICY_FLAG
 from pacing.teams import TeamTable
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
@@ -206,15 +208,30 @@ class ConfigFile:
             ) from None
 
 
-def load_at_start(file: ConfigFile, flags: TableDocument) -> TableDocument:
+def load_at_start(
+    file: ConfigFile, flags: TableDocument, *, create: bool = True
+) -> TableDocument:
     """The table to start with: ``flags`` overlaid by the file, or ``flags``
-    written as a new file when there is none. Raises InvalidArgument for a bad
-    file and OSError when it cannot be read or created."""
+    (written as a new file when ``create``) when there is none. Raises
+    InvalidArgument for a bad file or when neither gives a default limit (the
+    policy would limit nobody), OSError when the file cannot be read or
+    created."""
     doc = file.load()
-    if doc is None:
+    table = flags if doc is None else merge(flags, doc)
+    check_default(table.default_rate, str(file.path))
+    if doc is None and create:
         file.write(flags)
-        return flags
-    return merge(flags, doc)
+    return table
+
+
+def check_default(default_rate: int | None, path: str) -> None:
+    """Raises InvalidArgument when the start-up table has no default limit."""
+    if default_rate is None:
+        raise InvalidArgument(
+            f"{path}: {DEFAULT_RATE_KEY}: required (the limit of every user the "
+            f"policy does not name), unless {DEFAULT_RATE_FLAG} or "
+            f"{POLICY_FLAG} gives one"
+        )
 
 
 class FileCopy:

@@ -31,4 +31,4 @@ def _preflight(settings: OutputRateSettings) -> None:
     from control.preflight import check
 
     if settings.control is not None:
-        check(settings.control)
+        check(settings.control, settings.policy.default_rate)

@@ -13,7 +13,7 @@ import socket
 
 from control import secrets
 from control.errors import InvalidArgument
-from control.persistence import ConfigFile
+from control.persistence import ConfigFile, check_default
 from control.server import BindRefused, check_authenticated, check_token_over_tls
 from pacing.settings.checks import SettingsError
 from pacing.settings.flags import (
@@ -28,15 +28,18 @@ from pacing.settings.flags import (
 from pacing.settings.model import ControlSettings
 
 
-def check(settings: ControlSettings) -> None:
+def check(settings: ControlSettings, default_rate: int | None) -> None:
     """Raises SettingsError, naming the flag and the cause, for the first
     setting the control plane would fail on at start: token or TLS files that
     cannot be read (or an empty token file), a non-loopback address without a
     token or mTLS, or with a token and no TLS, a limits file that is not a
     readable, valid table (or, when missing, whose directory cannot hold one),
-    a port that cannot be bound.
-    Checks nothing when the control plane is off."""
+    no default limit in the file or the flags' policy (``default_rate``), a
+    port that cannot be bound. With the control plane off only the limits
+    file is checked: it is loaded and watched all the same."""
     if not settings.enabled:
+        if settings.config_path is not None:
+            check_config_file(settings.config_path, default_rate)
         return
     auth_token, tls = secrets.auth_token(settings), secrets.tls(settings)
     try:
@@ -53,17 +56,22 @@ def check(settings: ControlSettings) -> None:
             f"{ADDRESS_FLAG}: {exc} ({TLS_CERT_FLAG} and {TLS_KEY_FLAG} set TLS)"
         ) from None
     if settings.config_path is not None:
-        check_config_file(settings.config_path)
+        check_config_file(settings.config_path, default_rate)
     check_port_free(settings.address)
 
 
-def check_config_file(path: str) -> None:
+def check_config_file(path: str, default_rate: int | None) -> None:
     """Raises SettingsError unless ``path`` holds a valid limits table or
     is missing in a writable directory (the control plane then creates it from
-    the flags)."""
+    the flags), and the file or ``default_rate`` (the flags') gives a default
+    limit."""
     try:
         file = ConfigFile(path)
-        if file.load() is not None:
+        doc = file.load()
+        check_default(
+            default_rate if doc is None else doc.default_rate or default_rate, path
+        )
+        if doc is not None:
             return
     except InvalidArgument as exc:
         raise SettingsError(f"{CONFIG_FLAG}: {exc}") from None

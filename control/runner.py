@@ -31,6 +31,7 @@ from control.service.operations import LimitsService
 from control.table import TableDocument
 from pacing import global_limits
 from pacing.modes import Mode
+from pacing.settings.flags import ADDRESS_FLAG
 from pacing.settings.model import ControlSettings, OutputRateSettings
 from pacing.shared import ControlPlaneSnapshot, SharedLimiter
 
@@ -43,14 +44,17 @@ class ControlPlane:
     """A running control plane."""
 
     service: LimitsService
-    server: ControlServer
+    #: ``None`` (and ``port`` 0) with ``--output-rate-control-address off``:
+    #: the limits file alone, loaded and watched.
+    server: ControlServer | None
     port: int
     watcher: ConfigWatcher | None
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Health NOT_SERVING, then stops the server (``grace_s`` for calls in
         flight) and the file watcher."""
-        self.server.stop(grace_s).wait()
+        if self.server is not None:
+            self.server.stop(grace_s).wait()
         if self.watcher is not None:
             self.watcher.stop()
 
@@ -65,7 +69,7 @@ class ControlPlane:
                 if watcher is None
                 else {"success": watcher.successes, "failure": watcher.failures}
             ),
-            rpcs=self.server.rpc_counts.snapshot(),
+            rpcs={} if self.server is None else self.server.rpc_counts.snapshot(),
         )
 
 
@@ -77,6 +81,7 @@ def serve(
     tracer_provider: trace.TracerProvider | None = None,
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
     global_store: bool = False,
+    listen: bool = True,
 ) -> ControlPlane:
     """Loads the config file into ``shared``'s limiter, mode and fair-share
     ledger (the limiter's current table, the ledger's weights and switch and
@@ -93,11 +98,63 @@ def serve(
     with every version the engine makes or applies, so a store that loses its
     data is restored from the engines' files. It is not watched (an edit on
     one engine would make it differ from the others). Without a file, a
-    store's changes live in Redis alone: logged as a warning."""
+    store's changes live in Redis alone: logged as a warning.
+
+    Without ``listen`` no server starts: the limits file is loaded and
+    watched all the same (the policy the operator wrote holds whether or not
+    the network API is on)."""
+    flags = _flags_table(shared, mode)
+    file = None if settings.config_path is None else ConfigFile(settings.config_path)
+    service = LimitsService(
+        shared,
+        persist=None if file is None or global_store else file.write,
+        global_store=global_store,
+    )
+    start_table = flags if file is None else load_at_start(file, flags)
+    service.reload(lambda: start_table)
+    if global_store:
+        _keep_durably(shared, file, start_table)
+    watcher = None
+    if file is not None and not global_store:
+        watcher = ConfigWatcher(file, service, flags, interval_s=poll_interval_s)
+    server: ControlServer | None = None
+    port = 0
+    if listen:
+        server, port = create_server(
+            settings.address,
+            service,
+            auth_token=secrets.auth_token(settings),
+            tls=secrets.tls(settings),
+            tracer_provider=tracer_provider,
+        )
+        server.start()
+    if watcher is not None:
+        watcher.start()
+    if server is not None:
+        server.set_serving()
+        logger.info(
+            "output-rate control plane listening on %s (port %d)",
+            settings.address,
+            port,
+        )
+    else:
+        logger.info(
+            "output-rate limits file %s loaded and watched; no control plane "
+            "listens (%s off)",
+            settings.config_path,
+            ADDRESS_FLAG,
+        )
+    plane = ControlPlane(service=service, server=server, port=port, watcher=watcher)
+    shared.set_control_snapshot(plane.snapshot)
+    return plane
+
+
+def _flags_table(shared: SharedLimiter, mode: Mode | None) -> TableDocument:
+    """The table ``shared`` holds (the flags'), with ``mode`` (else its own)."""
     with shared.lock:
         ledger = shared.fair_share
         teams = shared.teams.table
-        flags = TableDocument(
+        return TableDocument(
             default_rate=shared.limiter.default_rate,
             user_rates=shared.limiter.user_rates,
             tier_rates=shared.limiter.tier_rates,
@@ -112,36 +169,6 @@ def serve(
             team_members=teams.memberships,
             team_weights=dict(ledger.weights.teams),
         )
-    file = None if settings.config_path is None else ConfigFile(settings.config_path)
-    service = LimitsService(
-        shared,
-        persist=None if file is None or global_store else file.write,
-        global_store=global_store,
-    )
-    start_table = flags if file is None else load_at_start(file, flags)
-    service.reload(lambda: start_table)
-    if global_store:
-        _keep_durably(shared, file, start_table)
-    watcher = None
-    if file is not None and not global_store:
-        watcher = ConfigWatcher(file, service, flags, interval_s=poll_interval_s)
-    server, port = create_server(
-        settings.address,
-        service,
-        auth_token=secrets.auth_token(settings),
-        tls=secrets.tls(settings),
-        tracer_provider=tracer_provider,
-    )
-    server.start()
-    if watcher is not None:
-        watcher.start()
-    server.set_serving()
-    logger.info(
-        "output-rate control plane listening on %s (port %d)", settings.address, port
-    )
-    plane = ControlPlane(service=service, server=server, port=port, watcher=watcher)
-    shared.set_control_snapshot(plane.snapshot)
-    return plane
 
 
 def _keep_durably(
@@ -161,23 +188,39 @@ def _keep_durably(
 
 def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:
     """``serve`` with ``settings.control``, the start-up mode of ``settings``
-    and, with ``--output-rate-store``, the table in the store; ``None`` when the
-    settings ask for no control plane: no ``control`` section (an offline
-    ``LLM`` without one) or address ``off``, or on a data-parallel rank other
-    than 0 (one control plane per server)."""
-    if settings.control is None or not settings.control.enabled:
+    and, with ``--output-rate-store``, the table in the store. Address ``off``
+    serves no RPCs but still loads and watches the limits file. ``None`` when
+    there is nothing to run: no ``control`` section (an offline ``LLM``
+    without one), address ``off`` without a file, or a data-parallel rank
+    other than 0 (one control plane per server), which starts from the file
+    read once and then follows rank 0's changes through the store."""
+    control = settings.control
+    if control is None:
         return None
     if shared.engine_index != 0:
-        # One control plane per server: data-parallel rank 0 serves it; the
-        # other ranks follow its changes through the store.
         logger.info(
             "output-rate control plane: served by data-parallel rank 0, not %d",
             shared.engine_index,
         )
+        if control.config_path is not None:
+            _start_from_file(shared, control.config_path, settings.mode)
+        return None
+    if not control.enabled and control.config_path is None:
         return None
     return serve(
         shared,
-        settings.control,
+        control,
         mode=settings.mode,
         global_store=settings.store is not None,
+        listen=control.enabled,
     )
+
+
+def _start_from_file(shared: SharedLimiter, path: str, mode: Mode) -> None:
+    """The table ``serve`` would start with, applied without writing or
+    watching the file: a rank that does not serve the control plane enforces
+    the file's limits from its first step, not only once the store's table
+    arrives."""
+    flags = _flags_table(shared, mode)
+    start_table = load_at_start(ConfigFile(path), flags, create=False)
+    LimitsService(shared).reload(lambda: start_table)

@@ -141,7 +141,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: SchedulerStats; None unless our stat logger is there to take it out.
         self.output_rate_stats = (
             payload_builder.PayloadBuilder(metrics.max_labelled_users)
-            if metrics.emit and self.limiter.enabled
+            if metrics.emit and settings.enabled
             else None
         )
         #: Payloads whose build has started (counted first): the idle-metrics
@@ -173,16 +173,18 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             kv_block_sizes=full_attention_block_sizes(self.kv_cache_config),
             tracing=self._tracing,
         )
-        if self.limiter.enabled:
+        if settings.enabled:
+            policy = settings.policy
             logger.info(
-                "per-user output pacing on (%s): mode %s, default %d tok/s, "
-                "%d user limits, %d tiers, %d teams",
+                "per-user output pacing on (%s): mode %s, default %s tok/s, "
+                "%d users, %d tiers, %d teams in the start-up policy%s",
                 type(self).__name__,
                 settings.mode,
-                settings.default_rate,
-                len(settings.user_rates),
-                len(settings.tier_rates),
-                len(settings.team_rates),
+                policy.default_rate,
+                len(policy.users),
+                len(policy.groups["tier"]),
+                len(policy.groups["team"]),
+                "" if settings.config_path is None else ", then the limits file",
             )
             # The data-parallel index survives vLLM resetting the rank of
             # independent (non-MoE) ranks to 0.

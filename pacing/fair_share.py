@@ -33,8 +33,10 @@ was last cleaned up, and only for those.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from pacing.policy.errors import PathPart, PolicyError, shown
 
 #: A user's weight when neither it nor its tier has one.
 DEFAULT_WEIGHT = 1.0
@@ -54,20 +56,23 @@ DEFAULT_MIN_RUN_TOKENS = 16
 REBASE_AT = 1e12
 
 
-def validate_weight(weight: object, *, field: str = "weight") -> float:
-    """``weight`` as a float if it is a valid share weight, else ValueError.
+def validate_weight(
+    weight: object, *, field: str | Sequence[PathPart] = "weight"
+) -> float:
+    """``weight`` as a float if it is a valid share weight, else ``PolicyError``
+    (a ValueError) at ``field``, in the one words of this rule.
 
     Valid: a number (not ``bool``) in ``(0, MAX_WEIGHT]``.
     """
-    if isinstance(weight, bool) or not isinstance(weight, int | float):
-        raise ValueError(
-            f"{field} must be a positive number, got {weight!r} of type "
-            f"{type(weight).__name__}"
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not 0 < weight <= MAX_WEIGHT
+    ):
+        raise PolicyError(
+            f"must be a number in (0, {MAX_WEIGHT:g}], got {shown(weight)}", field
         )
-    value = float(weight)
-    if not (0 < value <= MAX_WEIGHT) or math.isnan(value):
-        raise ValueError(f"{field} must be in (0, {MAX_WEIGHT:g}], got {weight!r}")
-    return value
+    return float(weight)
 
 
 def validate_price(price: object, *, field: str) -> float:

@@ -34,11 +34,12 @@ validate them.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pacing.identity import validate_user
+from pacing.policy.errors import PathPart, PolicyError, shown
 
 #: Rates above this are rejected as misconfiguration (no engine samples this fast
 #: for one user, and a typo like an extra few zeros should fail loudly).
@@ -48,18 +49,18 @@ MAX_RATE = 1_000_000
 SourceKind = Literal["off", "exempt", "user", "tier", "default"]
 
 
-def validate_rate(rate: object, *, field: str = "rate") -> int:
-    """Return ``rate`` if it is a valid tokens-per-second limit, else raise ValueError.
+def validate_rate(rate: object, *, field: str | Sequence[PathPart] = "rate") -> int:
+    """Return ``rate`` if it is a valid tokens-per-second limit, else raise
+    ``PolicyError`` (a ValueError) at ``field``, in the one words of this rule.
 
     Valid: an ``int`` (not ``bool``) in ``1..MAX_RATE``.
     """
-    if isinstance(rate, bool) or not isinstance(rate, int):
-        raise ValueError(
-            f"{field} must be a positive integer (tokens per second), "
-            f"got {rate!r} of type {type(rate).__name__}"
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 1 <= rate <= MAX_RATE:
+        raise PolicyError(
+            f"must be an integer in 1..{MAX_RATE} (tokens per second), "
+            f"got {shown(rate)}",
+            field,
         )
-    if not 1 <= rate <= MAX_RATE:
-        raise ValueError(f"{field} must be between 1 and {MAX_RATE}, got {rate}")
     return rate
 
 

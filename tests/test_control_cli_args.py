@@ -15,11 +15,11 @@ from tests import cli_harness
 rig, served, ctl = cli_harness.rig, cli_harness.served, cli_harness.ctl
 
 
-RATE_RANGE = "argument rate: must be a whole number between 1 and 1000000, got"
+RATE_RANGE = "argument rate: must be an integer in 1..1000000 (tokens per second), got"
 
 
 SURROGATE = "the user id must be well-formed Unicode"
-WEIGHT_RANGE = "must be a number above 0 and at most 1000000, got"
+WEIGHT_RANGE = "must be a number in (0, 1e+06], got"
 
 
 USAGE_ERRORS = {
@@ -174,6 +174,7 @@ def test_the_console_script_refuses_a_huge_rate_with_one_line():
     )
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines() == [
-        "output-rate-ctl set: error: argument rate: must be a whole number between "
-        "1 and 1000000, got '99999999999999999999' (see output-rate-ctl set --help)"
+        "output-rate-ctl set: error: argument rate: must be an integer in "
+        "1..1000000 (tokens per second), got '99999999999999999999' "
+        "(see output-rate-ctl set --help)"
     ]

@@ -145,7 +145,7 @@ def test_deleting_a_tier_with_members_exits_1_failed_precondition(ctl, rig):
 def test_assigning_a_tier_that_does_not_exist_exits_1(ctl, rig):
     status, _, err = ctl("assign", "carol", "gold")
     assert status == 1
-    assert err.startswith("error: FAILED_PRECONDITION: limit.tier: 'tiers/gold'")
+    assert err.startswith("error: FAILED_PRECONDITION: limit.tier: unknown tier 'gold'")
     assert rig.limiter.memberships == {}
 
 

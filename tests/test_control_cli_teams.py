@@ -116,7 +116,6 @@ def test_an_import_naming_an_unknown_team_is_refused_locally(ctl, rig, tmp_path)
     status, _, err = ctl("import", str(path))
     assert status == 1
     assert err.startswith(
-        f"error: INVALID_ARGUMENT: {path}: team_members['alice']: team 'ghost' "
-        "is not in teams"
+        f"error: INVALID_ARGUMENT: {path}: team_members.alice: unknown team 'ghost'"
     )
     assert not rig.shared.teams.table

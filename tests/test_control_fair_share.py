@@ -274,24 +274,24 @@ def test_a_bad_weight_is_invalid_argument_naming_the_field(served, rig, weight):
             pb.UpdateLimitRequest(
                 limit=pb.Limit(name="limits/dave", weight=weight), allow_missing=True
             ),
-            "limit.weight must be",
+            "limit.weight: must be a number in (0, 1e+06], got",
         ),
         (
             served.stub.CreateLimit,
             pb.CreateLimitRequest(limit_id="dave", limit=pb.Limit(weight=weight)),
-            "limit.weight must be",
+            "limit.weight: must be a number in (0, 1e+06], got",
         ),
         (
             served.stub.UpdateTier,
             pb.UpdateTierRequest(tier=pb.Tier(name="tiers/free", weight=weight)),
-            "tier.weight must be",
+            "tier.weight: must be a number in (0, 1e+06], got",
         ),
         (
             served.stub.CreateTier,
             pb.CreateTierRequest(
                 tier_id="pro", tier=pb.Tier(tokens_per_second=5, weight=weight)
             ),
-            "tier.weight must be",
+            "tier.weight: must be a number in (0, 1e+06], got",
         ),
         (
             served.stub.ReplaceLimitsTable,
@@ -301,7 +301,7 @@ def test_a_bad_weight_is_invalid_argument_naming_the_field(served, rig, weight):
                     limits=[pb.Limit(name="limits/dave", weight=weight)],
                 )
             ),
-            "limits_table.limits[0].weight must be",
+            "limits_table.limits[0].weight: must be a number in (0, 1e+06], got",
         ),
         (
             served.stub.ReplaceLimitsTable,
@@ -311,7 +311,7 @@ def test_a_bad_weight_is_invalid_argument_naming_the_field(served, rig, weight):
                     tiers=[pb.Tier(name="tiers/x", exempt=True, weight=weight)],
                 )
             ),
-            "limits_table.tiers[0].weight must be",
+            "limits_table.tiers[0].weight: must be a number in (0, 1e+06], got",
         ),
     ]
     etag = table(served).etag

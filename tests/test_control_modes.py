@@ -249,7 +249,7 @@ def test_a_bad_mode_in_the_file_is_refused_and_the_mode_kept(path, rig):
     assert watcher.poll() is False
     assert watcher.failures == 1
     assert watcher.last_error == (
-        f"{path}: mode must be one of enforce, shadow, off, got 'loud'"
+        f"{path}: mode: must be one of enforce, shadow, off, got 'loud'"
     )
     assert rig.shared.mode is Mode.ENFORCE
 

@@ -513,7 +513,8 @@ BAD_INPUT = [
         "CreateLimit",
         pb.CreateLimitRequest(limit_id="new"),
         Invalid,
-        "limit.tokens_per_second must be between 1 and 1000000, got 0",
+        "limit.tokens_per_second: must be an integer in 1..1000000 "
+        "(tokens per second), got 0",
     ),
     (
         "update zero rate",
@@ -547,7 +548,7 @@ BAD_INPUT = [
             limit=pb.Limit(name="limits/alice", tokens_per_second=2**63 - 1)
         ),
         Invalid,
-        "between 1 and 1000000",
+        "limit.tokens_per_second: must be an integer in 1..1000000",
     ),
     (
         "update bad mask",
@@ -603,7 +604,7 @@ BAD_INPUT = [
             default_limit=pb.DefaultLimit(tokens_per_second=0)
         ),
         Invalid,
-        "default_limit.tokens_per_second must be between 1 and 1000000",
+        "default_limit.tokens_per_second: must be an integer in 1..1000000",
     ),
     (
         "default negative",
@@ -741,7 +742,7 @@ BAD_INPUT = [
         "ReplaceLimitsTable",
         pb.ReplaceLimitsTableRequest(limits_table=pb.LimitsTable()),
         Invalid,
-        "limits_table.default_tokens_per_second must be between",
+        "limits_table.default_tokens_per_second: must be an integer in 1..1000000",
     ),
     (
         "replace duplicate",

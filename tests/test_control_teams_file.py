@@ -60,28 +60,31 @@ def test_teams_round_trip_through_the_document_format(fmt):
     [
         (
             {"teams": {"acme": {"tokens_per_second": 5}}, "team_members": {"u": "x"}},
-            "f: team_members['u']: team 'x' is not in teams",
+            "f: team_members.u: unknown team 'x'",
         ),
         (
             {"teams": {"acme": {}}},
-            "f: teams['acme'] needs tokens_per_second",
+            "f: teams.acme: needs tokens_per_second",
         ),
         (
             {"teams": {"acme": {"tokens_per_second": 0}}},
-            "f: teams['acme'].tokens_per_second",
+            "f: teams.acme.tokens_per_second: must be an integer in 1..1000000",
         ),
         (
             {"teams": {"acme": {"tokens_per_second": 5, "exempt": True}}},
-            "f: teams['acme'] unknown field(s) 'exempt'",
+            "f: teams.acme: unknown field(s) 'exempt'",
         ),
         (
             {
                 "teams": {"acme": {"tokens_per_second": 5}},
                 "weights": {"teams": {"b": 2}},
             },
-            "f: weights.teams['b']: team 'b' is not in teams",
+            "f: weights.teams.b: unknown team 'b'",
         ),
-        ({"teams": {"": {"tokens_per_second": 5}}}, "f: team id ''"),
+        (
+            {"teams": {"": {"tokens_per_second": 5}}},
+            "f: teams['']: team id must not be empty",
+        ),
     ],
     ids=[
         "unknown-team",

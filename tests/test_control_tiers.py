@@ -436,7 +436,8 @@ BAD_INPUT = [
         "CreateTier",
         pb.CreateTierRequest(tier_id="gold"),
         Invalid,
-        "tier.tokens_per_second must be between 1 and 1000000, got 0",
+        "tier.tokens_per_second: must be an integer in 1..1000000 "
+        "(tokens per second), got 0",
     ),
     (
         "create tier huge rate",
@@ -483,7 +484,8 @@ BAD_INPUT = [
         "UpdateTier",
         pb.UpdateTierRequest(tier=pb.Tier(name="tiers/free")),
         Invalid,
-        "tier.tokens_per_second must be between 1 and 1000000, got 0",
+        "tier.tokens_per_second: must be an integer in 1..1000000 "
+        "(tokens per second), got 0",
     ),
     (
         "update unknown tier",
@@ -539,14 +541,14 @@ BAD_INPUT = [
         "UpdateLimit",
         pb.UpdateLimitRequest(limit=pb.Limit(name="limits/alice", tier="tiers/gold")),
         Precondition,
-        "limit.tier: 'tiers/gold' does not exist; create it first",
+        "limit.tier: unknown tier 'gold'",
     ),
     (
         "create entry in unknown tier",
         "CreateLimit",
         pb.CreateLimitRequest(limit_id="new", limit=pb.Limit(tier="tiers/gold")),
         Precondition,
-        "'tiers/gold' does not exist",
+        "limit.tier: unknown tier 'gold'",
     ),
     (
         "update entry bad mask",
@@ -577,7 +579,7 @@ BAD_INPUT = [
             )
         ),
         Invalid,
-        "limits_table.limits[0].tier: 'tiers/free' is not one of limits_table.tiers",
+        "limits_table.limits[0].tier: unknown tier 'free'",
     ),
     (
         "replace duplicate tier",
@@ -603,7 +605,7 @@ BAD_INPUT = [
             )
         ),
         Invalid,
-        "limits_table.tiers[0].tokens_per_second must be between 1 and 1000000",
+        "limits_table.tiers[0].tokens_per_second: must be an integer in 1..1000000",
     ),
     (
         "replace empty entry",
@@ -614,7 +616,7 @@ BAD_INPUT = [
             )
         ),
         Invalid,
-        "limits_table.limits[0].tokens_per_second must be between",
+        "limits_table.limits[0].tokens_per_second: must be an integer in 1..1000000",
     ),
     (
         "replace too many tiers",
@@ -629,7 +631,8 @@ BAD_INPUT = [
             )
         ),
         Invalid,
-        f"a table holds at most {MAX_TIERS} tiers, got {MAX_TIERS + 1}",
+        f"limits_table.tiers: a policy holds at most {MAX_TIERS} tiers, "
+        f"got {MAX_TIERS + 1}",
     ),
 ]
 

@@ -19,6 +19,7 @@ from pacing.fair_share import (
 from pacing.settings.checks import SettingsError
 from pacing.settings.cli import add_cli_args
 from pacing.settings.model import OutputRateSettings
+from tests.settings_harness import settings_of
 
 
 @pytest.mark.parametrize(
@@ -116,9 +117,9 @@ def test_fair_share_settings_flags_reach_additional_config_and_back():
     )
     settings = OutputRateSettings.from_cli_args(args)
     entry = settings.to_additional_config()
-    assert entry["fair_share"] is True
-    assert entry["user_weights"] == {"alice": 2.0}
-    assert entry["tier_weights"] == {"pro": 4.0}
+    assert entry["policy"]["fair_share"] is True
+    assert entry["policy"]["weights"]["users"] == {"alice": 2.0}
+    assert entry["policy"]["weights"]["tiers"] == {"pro": 4.0}
     assert entry["fair_share_config"]["hysteresis"] == 64
     again = OutputRateSettings.from_additional_config({"output_rate": entry})
     ledger = again.build_fair_share()
@@ -129,9 +130,8 @@ def test_fair_share_settings_flags_reach_additional_config_and_back():
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--output-rate-weights", '{"users": {"a": 0}}', "weight"),
-        ("--output-rate-weights", '{"people": {}}', "unknown keys"),
         ("--output-rate-weights", "[1]", "must be a JSON object"),
+        ("--output-rate-weights", "{", "is not valid JSON"),
         ("--output-rate-fair-share-config", '{"hysteresis": -1}', "hysteresis"),
         ("--output-rate-fair-share-config", '{"min_run_tokens": 0}', "min_run_tokens"),
         ("--output-rate-fair-share-config", '{"speed": 1}', "unknown keys"),
@@ -148,18 +148,72 @@ def test_a_bad_fair_share_flag_is_an_argparse_error_naming_it(
     assert flag in err and message in err
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            '{"users": {"a": 0}}',
+            "--output-rate-weights: weights.users.a: must be a number in "
+            "(0, 1e+06], got 0",
+        ),
+        (
+            '{"people": {}}',
+            "--output-rate-weights: weights: unknown field(s) 'people'; "
+            "expected 'users', 'tiers', 'teams'",
+        ),
+    ],
+)
+def test_a_weight_breaking_a_policy_rule_is_a_settings_error_naming_the_flag(
+    value, message
+):
+    # JSON of the right type passes argparse; the policy's rules are checked
+    # once every flag is parsed.
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        ["--default-user-output-tokens-per-second", "1", "--output-rate-weights", value]
+    )
+    with pytest.raises(SettingsError) as caught:
+        OutputRateSettings.from_cli_args(args)
+    assert str(caught.value) == message
+
+
 def test_fair_share_needs_pacing_on_and_tier_weights_a_tier():
-    with pytest.raises(SettingsError, match="--output-rate-fair-share needs"):
-        OutputRateSettings(fair_share=True)
-    with pytest.raises(SettingsError, match="weighs tier 'gold'"):
-        OutputRateSettings(default_rate=10, tier_weights={"gold": 2})
+    needs = (
+        "needs a default limit (--default-user-output-tokens-per-second, "
+        "default_tokens_per_second in --output-rate-policy) or a limits file "
+        "(--user-output-rate-config): they turn per-user output pacing on"
+    )
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(SettingsError) as caught:
+        OutputRateSettings.from_cli_args(
+            parser.parse_args(["--output-rate-fair-share"])
+        )
+    assert str(caught.value) == f"--output-rate-fair-share {needs}"
+    with pytest.raises(SettingsError) as caught:
+        settings_of(fair_share=True)
+    assert str(caught.value) == f"the policy {needs}"
+    args = parser.parse_args(
+        [
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--output-rate-weights",
+            '{"tiers": {"gold": 2}}',
+        ]
+    )
+    with pytest.raises(SettingsError) as caught:
+        OutputRateSettings.from_cli_args(args)
+    assert str(caught.value) == (
+        "--output-rate-weights: weights.tiers.gold: unknown tier 'gold'"
+    )
+    with pytest.raises(SettingsError) as caught:
+        settings_of(default_rate=10, tier_weights={"gold": 2})
+    assert str(caught.value).endswith(": weights.tiers.gold: unknown tier 'gold'")
 
 
 def test_settings_without_fair_share_keep_the_old_additional_config_keys():
-    entry = OutputRateSettings(default_rate=10).to_additional_config()
-    assert not {
-        "fair_share",
-        "fair_share_config",
-        "user_weights",
-        "tier_weights",
-    } & set(entry)
+    entry = settings_of(default_rate=10).to_additional_config()
+    assert "fair_share_config" not in entry
+    assert "fair_share" not in entry["policy"]
+    assert not any(entry["policy"]["weights"].values())

@@ -44,7 +44,7 @@ from pacing.attestation import (
     verify,
 )
 from pacing.identity import parse_user_source, validate_user
-from pacing.settings.model import OutputRateSettings
+from tests.settings_harness import settings_of
 
 COMPLETIONS = GUARDED_PATHS["/v1/completions"]
 #: The guard's clock in these tests (Unix seconds).
@@ -69,7 +69,7 @@ async def echo(request: Request) -> Response:
 def guarded_app(**settings: Any) -> Starlette:
     """An app built as vLLM builds its server: the guard added as middleware,
     and the server's settings in ``app.state.vllm_config``."""
-    paced = OutputRateSettings(default_rate=100, **settings)
+    paced = settings_of(default_rate=100, **settings)
     paths = [*GUARDED_PATHS, *UNATTRIBUTED_PATHS, "/other"]
     app = Starlette(
         routes=[Route(path, echo, methods=["POST"]) for path in paths],

@@ -34,7 +34,7 @@ from pacing.attestation import (
     REQUEST_FIELD,
     attest,
 )
-from pacing.settings.model import OutputRateSettings
+from tests.settings_harness import settings_of
 
 FORM_PATHS = sorted(path for path, shape in GUARDED_PATHS.items() if shape.form)
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
@@ -82,7 +82,7 @@ async def realtime(websocket: WebSocket) -> None:
 def form_app(**settings: Any) -> Starlette:
     """The guard in front of form routes and a websocket, with the server's
     settings in ``app.state.vllm_config``."""
-    paced = OutputRateSettings(default_rate=100, **settings)
+    paced = settings_of(default_rate=100, **settings)
     app = Starlette(
         routes=[
             *(Route(path, form_echo, methods=["POST"]) for path in FORM_PATHS),

@@ -34,10 +34,10 @@ from pacing.identity import (
     user_from_extra_args,
     validate_user,
 )
-from pacing.settings.checks import SettingsError, parse_user_rates
-from pacing.settings.model import OutputRateSettings
+from pacing.settings.checks import SettingsError
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
+from tests.settings_harness import settings_of
 
 SURROGATE = "bad\ud800"
 C1 = "a\u0085b"  # NEXT LINE, category Cc
@@ -239,7 +239,7 @@ def test_the_limits_file_refuses_the_id(user, message, fmt):
     text = json.dumps({"default_tokens_per_second": 1000, "users": {user: 3}})
     with pytest.raises(InvalidArgument) as info:
         loads(text, fmt, source="limits")
-    assert str(info.value).startswith(f"limits: user id {shown(user)} must ")
+    assert str(info.value).startswith(f"limits: users[{shown(user)}]: user id must ")
     assert message in str(info.value)
 
 
@@ -263,11 +263,10 @@ def test_a_huge_bad_id_in_the_file_is_not_echoed():
 @BAD_IDS
 def test_the_flags_refuse_the_id(user, message):
     with pytest.raises(SettingsError, match=message):
-        OutputRateSettings(default_rate=1000, user_rates={"slow": 5, user: 3})
+        settings_of(default_rate=1000, user_rates={"slow": 5, user: 3})
     with pytest.raises(SettingsError, match=message):
-        OutputRateSettings(
-            default_rate=1000,
-            user_rates=parse_user_rates(json.dumps({"slow": 5, user: 3})),
+        settings_of(
+            default_rate=1000, user_rates=json.loads(json.dumps({"slow": 5, user: 3}))
         )
 
 

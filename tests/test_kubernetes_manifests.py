@@ -905,11 +905,11 @@ def test_the_engine_starts_on_its_flags_and_files(
     files = PodFiles(objects, tmp_path)
     args = serve_parser.parse_args([files.rewrite(arg) for arg in argv])
     settings = OutputRateSettings.from_cli_args(args)
-    assert settings.default_rate == 100
+    assert settings.policy.default_rate == 100
     assert settings.require_user
     assert settings.user_source.kind == "header"
     monkeypatch.setattr(preflight, "check_port_free", lambda address: None)
-    preflight.check(settings.control)
+    preflight.check(settings.control, settings.policy.default_rate)
     limits = Path(settings.control.config_path)
     assert limits.is_file()
     assert limits.stat().st_mode & 0o777 == 0o600

@@ -17,13 +17,14 @@ from pacing.settings.model import (
     OutputRateSettings,
 )
 from pacing.settings.store import STORE_FLAG, StoreSettings
+from tests.settings_harness import settings_of
 
 STORE_URL = "redis://127.0.0.1:6379/0"
 SECRET = "s3cret-Pa55"
 
 
 def test_the_limiter_gets_the_whole_limit_table():
-    paced = OutputRateSettings(
+    paced = settings_of(
         default_rate=100,
         user_rates={"dave": 7, "ops": 3},
         tier_rates={"free": 20, "pro": 200},
@@ -53,7 +54,7 @@ def test_without_pacing_the_limiter_limits_nobody():
 
 
 def test_tiers_and_the_mode_round_trip_through_additional_config():
-    paced = OutputRateSettings(
+    paced = settings_of(
         default_rate=50,
         user_rates={"dave": 7},
         mode=Mode.OFF,
@@ -63,16 +64,48 @@ def test_tiers_and_the_mode_round_trip_through_additional_config():
         exempt_tiers=frozenset({"staff"}),
     )
     additional = {"output_rate": paced.to_additional_config()}
-    assert json.loads(json.dumps(additional))["output_rate"]["exempt_users"] == [
-        "ops",
-        "root",
-    ]
+    written = json.loads(json.dumps(additional))["output_rate"]["policy"]
+    assert written["exempt_users"] == ["ops", "root"]
     assert OutputRateSettings.from_additional_config(additional) == paced
     # Older entries, without the new keys, read as enforce with no tiers.
     old = OutputRateSettings.from_additional_config(
         {"output_rate": {"default_rate": 50, "mode": None}}
     )
-    assert (old.mode, old.tier_rates, old.exempt_users) == (Mode.ENFORCE, {}, set())
+    table = old.policy.limit_table()
+    assert (old.mode, table.tier_rates, table.exempt_users) == (Mode.ENFORCE, {}, set())
+
+
+def test_the_flat_keys_of_earlier_versions_are_read_as_the_policy():
+    paced = settings_of(
+        default_rate=50,
+        user_rates={"dave": 7},
+        mode=Mode.SHADOW,
+        tier_rates={"free": 20},
+        memberships={"alice": "free"},
+        exempt_users=["ops"],
+    )
+    flat = {
+        "default_rate": 50,
+        "user_rates": {"dave": 7},
+        "mode": "shadow",
+        "tier_rates": {"free": 20},
+        "memberships": {"alice": "free"},
+        "exempt_users": ["ops"],
+        "exempt_tiers": [],
+    }
+    read = OutputRateSettings.from_additional_config({"output_rate": flat})
+    assert read == paced
+    assert read.to_additional_config() == paced.to_additional_config()
+
+
+def test_the_policy_key_and_the_flat_keys_cannot_be_mixed():
+    entry = {"policy": {"default_tokens_per_second": 10}, "user_rates": {"a": 5}}
+    with pytest.raises(SettingsError) as error:
+        OutputRateSettings.from_additional_config({"output_rate": entry})
+    assert str(error.value) == (
+        "additional_config['output_rate']['policy'] holds the whole policy: "
+        "additional_config['output_rate']['user_rates'] cannot be given with it"
+    )
 
 
 @pytest.mark.parametrize(
@@ -80,13 +113,33 @@ def test_tiers_and_the_mode_round_trip_through_additional_config():
     [
         (
             {"mode": "fast"},
-            "additional_config['output_rate']['mode'] must be one of enforce, "
+            "additional_config['output_rate']: mode: must be one of enforce, "
             "shadow, off, got 'fast'",
         ),
         ({"mode": 1}, "must be one of enforce, shadow, off"),
-        ({"tier_rates": ["free"]}, "['tier_rates'] must be an object"),
-        ({"tier_rates": {"free": 0}}, "--output-rate-tiers rate of 'free'"),
-        ({"memberships": {"a": "gold"}}, "puts 'a' in tier 'gold'"),
+        (
+            {"tier_rates": ["free"]},
+            "additional_config['output_rate']: tier_rates: must be an object",
+        ),
+        (
+            {"tier_rates": {"free": 0}},
+            "additional_config['output_rate']: tiers.free.tokens_per_second: must "
+            "be an integer in 1..1000000 (tokens per second), got 0",
+        ),
+        (
+            {"memberships": {"a": "gold"}},
+            "additional_config['output_rate']: memberships.a: unknown tier 'gold'",
+        ),
+        (
+            {
+                "policy": {
+                    "default_tokens_per_second": 10,
+                    "tiers": {"free": {"tokens_per_second": 0}},
+                }
+            },
+            "additional_config['output_rate']['policy']: tiers.free.tokens_per_second: "
+            "must be an integer in 1..1000000 (tokens per second), got 0",
+        ),
         ({"exempt_users": "ops"}, "['exempt_users'] must be an array of names"),
         ({"exempt_tiers": [{"a": 1}]}, "must hold names"),
         ({"exempt_users": ["\ud800"]}, "lone surrogate"),
@@ -100,15 +153,14 @@ def test_tiers_and_the_mode_round_trip_through_additional_config():
     ],
 )
 def test_invalid_tables_and_modes_in_additional_config_are_refused(entry, message):
+    base = {} if "policy" in entry else {"default_rate": 10}
     with pytest.raises(SettingsError) as error:
-        OutputRateSettings.from_additional_config(
-            {"output_rate": {"default_rate": 10, **entry}}
-        )
+        OutputRateSettings.from_additional_config({"output_rate": {**base, **entry}})
     assert message in str(error.value)
 
 
 def test_additional_config_round_trip_and_validation():
-    config = OutputRateSettings(default_rate=5, user_rates={"x": 7})
+    config = settings_of(default_rate=5, user_rates={"x": 7})
     assert (
         OutputRateSettings.from_additional_config(
             {"output_rate": config.to_additional_config()}
@@ -120,8 +172,12 @@ def test_additional_config_round_trip_and_validation():
         OutputRateSettings.from_additional_config({"output_rate": {"rate": 5}})
     with pytest.raises(SettingsError, match="must be an object"):
         OutputRateSettings.from_additional_config({"output_rate": 5})
-    with pytest.raises(SettingsError, match="between 1 and"):
+    with pytest.raises(SettingsError) as error:
         OutputRateSettings.from_additional_config({"output_rate": {"default_rate": 0}})
+    assert str(error.value) == (
+        "additional_config['output_rate']: default_tokens_per_second: must be an "
+        "integer in 1..1000000 (tokens per second), got 0"
+    )
 
 
 def test_control_defaults_listen_on_loopback():
@@ -144,7 +200,7 @@ def test_metrics_default_to_not_emitting_with_the_default_cap():
     assert OutputRateSettings.from_additional_config(None).metrics == MetricsSettings(
         emit=False, max_labelled_users=DEFAULT_MAX_LABELLED_USERS
     )
-    paced = OutputRateSettings(
+    paced = settings_of(
         default_rate=5, metrics=MetricsSettings(emit=True, max_labelled_users=7)
     )
     assert (
@@ -187,7 +243,7 @@ def test_the_keys_of_earlier_versions_are_refused_naming_their_new_place(old, ne
 
 @pytest.mark.parametrize("source", ["openai-user", "header:x-user-id", "xargs"])
 def test_the_identity_settings_round_trip_through_additional_config(source):
-    paced = OutputRateSettings(default_rate=5, user_source=source, require_user=True)
+    paced = settings_of(default_rate=5, user_source=source, require_user=True)
     additional = json.loads(json.dumps({"output_rate": paced.to_additional_config()}))
     assert additional["output_rate"]["user_source"] == source
     assert OutputRateSettings.from_additional_config(additional) == paced
@@ -195,7 +251,7 @@ def test_the_identity_settings_round_trip_through_additional_config(source):
 
 def test_require_user_must_be_a_boolean():
     with pytest.raises(SettingsError, match="--output-rate-require-user must be a"):
-        OutputRateSettings(default_rate=5, require_user=1)  # type: ignore[arg-type]
+        settings_of(default_rate=5, require_user=1)
 
 
 @pytest.mark.parametrize(
@@ -220,7 +276,7 @@ def test_invalid_store_entries_in_additional_config_are_refused(store, message):
 
 
 def test_the_store_round_trips_through_additional_config_offline():
-    paced = OutputRateSettings(
+    paced = settings_of(
         default_rate=10,
         store=StoreSettings("unix:///run/redis.sock?db=1", failure_mode="fail-open"),
     )

@@ -30,6 +30,7 @@ from pacing.settings.store import (
     StoreSettings,
 )
 from tests import serve_parser_harness
+from tests.settings_harness import settings_of
 
 # The serve parser's fixtures (tests/serve_parser_harness.py), registered here.
 serve_parser = serve_parser_harness.serve_parser
@@ -113,15 +114,16 @@ def test_without_the_store_flag_settings_and_additional_config_are_as_before(
         ["m", "--default-user-output-tokens-per-second", "100"]
     )
     entry = AsyncEngineArgs.from_cli_args(args).additional_config["output_rate"]
-    # The entry of the version before the store, key for key.
+    # The entry without a store, key for key: no store key appears.
     assert entry == {
-        "default_rate": 100,
-        "user_rates": {},
-        "mode": "enforce",
-        "tier_rates": {},
-        "memberships": {},
-        "exempt_users": [],
-        "exempt_tiers": [],
+        "policy": {
+            "default_tokens_per_second": 100,
+            "tiers": {},
+            "users": {},
+            "memberships": {},
+            "exempt_users": [],
+            "weights": {"users": {}, "tiers": {}},
+        },
         "user_source": "xargs",
         "require_user": False,
         "metrics": {"emit": False, "max_labelled_users": DEFAULT_MAX_LABELLED_USERS},
@@ -136,7 +138,7 @@ def test_without_the_store_flag_settings_and_additional_config_are_as_before(
     }
     paced = OutputRateSettings.from_cli_args(args)
     assert paced.store is None
-    assert paced == OutputRateSettings(
+    assert paced == settings_of(
         default_rate=100, control=ControlSettings(), metrics=MetricsSettings()
     )
     assert OutputRateSettings.from_additional_config({"output_rate": entry}) == paced
@@ -194,8 +196,9 @@ def test_the_store_flag_needs_the_default_flag():
     with pytest.raises(SettingsError) as error:
         OutputRateSettings.from_cli_args(parser.parse_args([STORE_FLAG, STORE_URL]))
     assert str(error.value) == (
-        f"{STORE_FLAG} needs --default-user-output-tokens-per-second: the default "
-        "limit is what turns per-user output pacing on"
+        f"{STORE_FLAG} needs a default limit (--default-user-output-tokens-per-second, "
+        "default_tokens_per_second in --output-rate-policy) or a limits file "
+        "(--user-output-rate-config): they turn per-user output pacing on"
     )
 
 

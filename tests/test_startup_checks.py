@@ -62,9 +62,15 @@ def _write(path: Path, text: str) -> str:
     return str(path)
 
 
-def _refusal(settings: ControlSettings) -> str:
+#: The flags' default limit the checks are given (pacing on by the flags).
+FLAGS_DEFAULT = 10
+
+
+def _refusal(
+    settings: ControlSettings, default_rate: int | None = FLAGS_DEFAULT
+) -> str:
     with pytest.raises(SettingsError) as error:
-        preflight.check(settings)
+        preflight.check(settings, default_rate)
     return str(error.value)
 
 
@@ -82,7 +88,7 @@ def test_a_free_port_passes_and_is_released():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
-    preflight.check(ControlSettings(address=address))
+    preflight.check(ControlSettings(address=address), FLAGS_DEFAULT)
     host, _, port = address.rpartition(":")
     with socket.socket() as again:  # no SO_REUSEADDR: fails if still held
         again.bind((host, int(port)))
@@ -111,7 +117,7 @@ def test_a_limits_file_that_is_not_json_is_refused(tmp_path):
 def test_a_limits_file_with_an_invalid_user_id_is_refused(tmp_path):
     path = _write(tmp_path / "limits.json", '{"users": {"bad\\u0001id": 5}}')
     message = _refusal(ControlSettings(address="127.0.0.1:0", config_path=path))
-    assert message.startswith(f"{CONFIG_FLAG}: {path}: user id 'bad\\x01id'")
+    assert message.startswith(f"{CONFIG_FLAG}: {path}: users['bad\\x01id']: user id")
     assert "control characters" in message
 
 
@@ -123,8 +129,33 @@ def test_a_limits_file_of_unknown_format_is_refused(tmp_path):
 
 def test_a_missing_limits_file_passes_without_being_created(tmp_path):
     path = tmp_path / "limits.yaml"
-    preflight.check(ControlSettings(address="127.0.0.1:0", config_path=str(path)))
+    preflight.check(
+        ControlSettings(address="127.0.0.1:0", config_path=str(path)), FLAGS_DEFAULT
+    )
     assert not path.exists()  # the engine core creates it from the flags
+
+
+#: The refusal of a start-up table without a default limit, after the path.
+NO_DEFAULT = (
+    "default_tokens_per_second: required (the limit of every user the policy "
+    "does not name), unless --default-user-output-tokens-per-second or "
+    "--output-rate-policy gives one"
+)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:0", "off"])
+def test_a_start_up_table_without_a_default_limit_is_refused(tmp_path, address):
+    # Neither the file nor the flags give one: the file, missing or without
+    # one, is refused, with the control plane on or off.
+    missing = str(tmp_path / "missing.json")
+    settings = ControlSettings(address=address, config_path=missing)
+    assert _refusal(settings, None) == f"{CONFIG_FLAG}: {missing}: {NO_DEFAULT}"
+    path = _write(tmp_path / "limits.json", '{"users": {"a": 5}}')
+    settings = ControlSettings(address=address, config_path=path)
+    assert _refusal(settings, None) == f"{CONFIG_FLAG}: {path}: {NO_DEFAULT}"
+    preflight.check(settings, FLAGS_DEFAULT)  # the flags give one
+    own = _write(tmp_path / "own.json", '{"default_tokens_per_second": 7}')
+    preflight.check(ControlSettings(address=address, config_path=own), None)
 
 
 def test_a_missing_limits_file_in_a_missing_directory_is_refused(tmp_path):
@@ -156,7 +187,7 @@ def test_a_public_address_with_a_token_over_tls_passes(monkeypatch, tmp_path):
         tls_cert=_write(tmp_path / "cert.pem", "cert"),
         tls_key=_write(tmp_path / "key.pem", "key"),
     )
-    preflight.check(settings)
+    preflight.check(settings, FLAGS_DEFAULT)
 
 
 def test_an_empty_token_file_is_refused(tmp_path):
@@ -178,14 +209,27 @@ def test_a_missing_tls_file_is_refused(tmp_path):
     assert _refusal(settings) == f"{TLS_CERT_FLAG} {cert}: No such file or directory"
 
 
-def test_nothing_is_checked_when_the_control_plane_is_off(tmp_path):
-    preflight.check(
-        ControlSettings(
-            address="off",
-            config_path=str(tmp_path),
-            token_file=str(tmp_path / "missing"),
+def test_only_the_limits_file_is_checked_when_the_control_plane_is_off(tmp_path):
+    # No port is bound and no auth is asked for; the limits file is loaded and
+    # watched all the same, so it is checked.
+    preflight.check(ControlSettings(address="off"), FLAGS_DEFAULT)
+    directory = tmp_path / "limits.json"
+    directory.mkdir()
+    message = _refusal(ControlSettings(address="off", config_path=str(directory)))
+    assert message == f"{CONFIG_FLAG} {directory}: Is a directory"
+
+
+def test_token_and_tls_flags_are_refused_with_the_control_plane_off(tmp_path):
+    for flag, given in (
+        (TOKEN_FILE_FLAG, {"token_file": str(tmp_path / "missing")}),
+        (TLS_CERT_FLAG, {"tls_cert": "c.pem", "tls_key": "k.pem"}),
+    ):
+        with pytest.raises(SettingsError) as error:
+            ControlSettings(address="off", **given)
+        assert str(error.value) == (
+            f"{flag} cannot take effect with {ADDRESS_FLAG} off: no control "
+            "plane listens"
         )
-    )
 
 
 # -- the engine side refuses the same settings ----------------------------------
@@ -222,7 +266,7 @@ def test_the_engine_side_refuses_what_the_preflight_refuses(
         ),
     }[case]
     with pytest.raises(SettingsError):
-        preflight.check(settings)
+        preflight.check(settings, FLAGS_DEFAULT)
     with pytest.raises(engine_error):
         serve(make_rig(10).shared, settings).stop(0)
 
@@ -252,11 +296,25 @@ def test_the_hook_exits_with_code_2_and_one_line(tmp_path, capsys):
 
 def test_the_hook_checks_nothing_without_pacing(tmp_path):
     parser = make_arg_parser(FlexibleArgumentParser())
+    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(["m"]))
+    assert "output_rate" not in (engine_args.additional_config or {})
+
+
+def test_the_hook_refuses_a_control_flag_without_pacing(tmp_path, capsys):
+    # Refused as needing pacing, before its file is looked at.
+    parser = make_arg_parser(FlexibleArgumentParser())
     args = parser.parse_args(
         ["m", "--output-rate-control-token-file", str(tmp_path / "token")]
     )
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    assert "output_rate" not in (engine_args.additional_config or {})
+    with pytest.raises(SystemExit) as exit_info:
+        AsyncEngineArgs.from_cli_args(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: {TOKEN_FILE_FLAG} needs a default limit "
+        "(--default-user-output-tokens-per-second, default_tokens_per_second in "
+        "--output-rate-policy) or a limits file (--user-output-rate-config): they "
+        "turn per-user output pacing on\n"
+    )
 
 
 # -- real starts ------------------------------------------------------------------
@@ -378,15 +436,16 @@ def test_the_hook_refuses_an_unreadable_store_password_file(tmp_path, capsys):
 
 
 def test_the_hook_refuses_a_store_without_pacing(capsys):
-    # Unlike the control plane's flags, which pacing off ignores: a store asked
-    # for and silently not used would let each engine grant the whole limit.
+    # A store asked for and silently not used would let each engine grant the
+    # whole limit.
     parser = make_arg_parser(FlexibleArgumentParser())
     args = parser.parse_args(["m", STORE_FLAG, STORE_URL])
     with pytest.raises(SystemExit) as exit_info:
         AsyncEngineArgs.from_cli_args(args)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith(
-        f"error: {STORE_FLAG} needs --default-user-output-tokens-per-second"
+        f"error: {STORE_FLAG} needs a default limit "
+        "(--default-user-output-tokens-per-second"
     )
 
 

@@ -23,6 +23,9 @@ client = store_harness.client_or_cluster
 local_cluster = store_harness.local_cluster
 redis_url = store_harness.redis_url
 
+#: The rate rule's words (pacing.limits.validate_rate).
+RATE = "must be an integer in 1..1000000 (tokens per second)"
+
 
 def full_table() -> Limits:
     return Limits(
@@ -75,13 +78,35 @@ def test_the_fair_share_policy_travels_only_when_it_holds_something():
 @pytest.mark.parametrize(
     ("policy", "message"),
     [
-        ({"fair_share": "yes"}, "fair_share must be true or false"),
-        ({"weights": {"groups": {}}}, "weights must be {users, tiers, teams}"),
-        ({"weights": {"users": []}}, "users, tiers and teams must be objects"),
-        ({"weights": {"teams": {"nosuch": 2}}}, "weight of unknown team 'nosuch'"),
-        ({"weights": {"users": {"alice": 0}}}, "must be in (0, 1e+06]"),
-        ({"weights": {"tiers": {"gold": 2}}}, "weight of unknown tier 'gold'"),
-        ({"weights": {"users": {"a\x01": 2}}}, "weighted user id"),
+        (
+            {"fair_share": "yes"},
+            "limits document: fair_share: must be true or false, got 'yes'",
+        ),
+        (
+            {"weights": {"groups": {}}},
+            "limits document: weights: unknown field(s) 'groups'",
+        ),
+        (
+            {"weights": {"users": []}},
+            "limits document: user_weights: must be an object, got list",
+        ),
+        (
+            {"weights": {"teams": {"nosuch": 2}}},
+            "limits document: weights.teams.nosuch: unknown team 'nosuch'",
+        ),
+        (
+            {"weights": {"users": {"alice": 0}}},
+            "limits document: weights.users.alice: must be a number in (0, 1e+06], "
+            "got 0",
+        ),
+        (
+            {"weights": {"tiers": {"gold": 2}}},
+            "limits document: weights.tiers.gold: unknown tier 'gold'",
+        ),
+        (
+            {"weights": {"users": {"a\x01": 2}}},
+            "limits document: weights.users['a\\x01']: user id must not",
+        ),
     ],
 )
 def test_a_bad_fair_share_policy_is_refused(policy, message):
@@ -107,15 +132,21 @@ def test_teams_round_trip_and_are_left_out_when_there_are_none():
 @pytest.mark.parametrize(
     ("teams", "message"),
     [
-        ({"team_rates": []}, "team_rates and team_members must be objects"),
-        ({"team_rates": {"acme": 0}}, "rate of team 'acme' must be between"),
+        (
+            {"team_rates": []},
+            "limits document: team_rates: must be an object, got list",
+        ),
+        (
+            {"team_rates": {"acme": 0}},
+            f"limits document: teams.acme.tokens_per_second: {RATE}, got 0",
+        ),
         (
             {"team_rates": {}, "team_members": {"alice": "acme"}},
-            "member of team 'acme', which has no rate",
+            "limits document: team_members.alice: unknown team 'acme'",
         ),
         (
             {"team_rates": {"acme": 1}, "team_members": {"a\x01": "acme"}},
-            "a team member's id",
+            "limits document: team_members['a\\x01']: user id must not",
         ),
     ],
 )
@@ -146,28 +177,37 @@ def document(**changes: object) -> str:
             "'memberships', 'exempt_users', 'exempt_tiers', 'mode'], unknown "
             "fields ['extra']",
         ),
-        (document(default_rate=0), "default_rate must be between 1 and 1000000"),
-        (document(user_rates=[]), "limits document: user_rates must be a JSON object"),
+        (
+            document(default_rate=0),
+            f"limits document: default_tokens_per_second: {RATE}, got 0",
+        ),
+        (
+            document(user_rates=[]),
+            "limits document: user_rates: must be an object, got list",
+        ),
         (
             document(exempt_users={}),
-            "limits document: exempt_users must be a JSON array",
+            "limits document: exempt_users: must be a list of ids, got dict",
         ),
-        (document(user_rates={"alice": "10"}), "rate of user 'alice' must be"),
+        (
+            document(user_rates={"alice": "10"}),
+            f"limits document: users.alice: {RATE}, got '10'",
+        ),
         (
             document(memberships={"bob": "gold"}),
-            "user 'bob' is a member of tier 'gold', which has neither",
+            "limits document: memberships.bob: unknown tier 'gold'",
         ),
         (
             document(exempt_users=["a\u200bb"]),
-            "limits document: a user id must not contain invisible format",
+            "limits document: exempt_users[0]: user id must not contain invisible",
         ),
-        (document(mode="loud"), "limits document: mode must be one of enforce"),
+        (document(mode="loud"), "limits document: mode: must be one of enforce"),
         (
             document(
                 user_rates={f"u{i}": 1 for i in range(MAX_EXPLICIT_LIMITS)},
                 exempt_users=["one-too-many"],
             ),
-            f"a table holds at most {MAX_EXPLICIT_LIMITS} users",
+            f"limits document: a policy holds at most {MAX_EXPLICIT_LIMITS} users",
         ),
         (
             document(
@@ -176,17 +216,23 @@ def document(**changes: object) -> str:
                 exempt_users=[],
                 weights={"users": {f"u{i}": 1 for i in range(MAX_EXPLICIT_LIMITS + 1)}},
             ),
-            f"a table holds at most {MAX_EXPLICIT_LIMITS} users",
+            f"limits document: a policy holds at most {MAX_EXPLICIT_LIMITS} users",
         ),
         (
             document(
                 tier_rates={f"t{i}": 1 for i in range(MAX_TIERS)},
                 exempt_tiers=["one-too-many"],
             ),
-            f"a table holds at most {MAX_TIERS} tiers",
+            f"limits document: tiers: a policy holds at most {MAX_TIERS} tiers",
         ),
-        (document(exempt_tiers=["a\u200bb"]), "tier name must not contain invisible"),
-        (document(exempt_tiers=[["a"]]), "tier name must be a string"),
+        (
+            document(exempt_tiers=["a\u200bb"]),
+            "limits document: exempt_tiers[0]: tier id must not contain invisible",
+        ),
+        (
+            document(exempt_tiers=[["a"]]),
+            "limits document: exempt_tiers[0]: tier id must be a string",
+        ),
     ],
     ids=[
         "not-json",

@@ -140,7 +140,10 @@ def _with(**fields) -> str:
             ),
             f"at most {MAX_EXPLICIT_LIMITS} users",
         ),
-        (_with(memberships={"bob": "a\u200bb"}), "tier name must not contain"),
+        (
+            _with(memberships={"bob": "a\u200bb"}),
+            "memberships.bob: tier id must not contain",
+        ),
     ],
     ids=["too-many-tiers", "too-many-users", "bad-tier-id"],
 )

@@ -11,7 +11,6 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError
 
-from pacing.settings.model import OutputRateSettings
 from pacing.settings.store import (
     PASSWORD_ENV,
     PASSWORD_FILE_FLAG,
@@ -23,6 +22,7 @@ from pacing.settings.store import (
     validate_url,
 )
 from store.clients import connect
+from tests.settings_harness import settings_of
 from tools.redis_server import redis_server
 
 SECRET = "s3cret-Pa55"
@@ -249,7 +249,7 @@ def test_the_password_never_travels_in_additional_config(tmp_path, monkeypatch):
     path = tmp_path / "password"
     path.write_text(SECRET)
     monkeypatch.setenv(PASSWORD_ENV, SECRET)
-    paced = OutputRateSettings(
+    paced = settings_of(
         default_rate=10,
         store=StoreSettings("redis://h/0", password_file=str(path)),
     )

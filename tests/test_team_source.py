@@ -33,6 +33,7 @@ from pacing.attestation import (
 from pacing.identity import TEAM_FIELD, USER_FIELD, parse_team_source
 from pacing.settings.checks import SettingsError
 from pacing.settings.model import OutputRateSettings
+from tests.settings_harness import settings_of
 from tools.scheduler_harness import SYNC_AND_ASYNC, driven_scheduler, make_request
 
 KEY = bytes(range(KEY_BYTES))
@@ -54,12 +55,12 @@ def attestation_key(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_team_header_needs_a_gateway_user_source():
     with pytest.raises(SettingsError, match="needs a gateway user source"):
-        OutputRateSettings(default_rate=100, team_source="header:x-team-id")
+        settings_of(default_rate=100, team_source="header:x-team-id")
 
 
 def test_the_team_and_user_headers_must_differ():
     with pytest.raises(SettingsError, match="name the same header"):
-        OutputRateSettings(
+        settings_of(
             default_rate=100,
             user_source="header:x-id",
             team_source="header:X-Id",
@@ -69,20 +70,16 @@ def test_the_team_and_user_headers_must_differ():
 @pytest.mark.parametrize("bad", ["header:authorization", "header:", "teams", 3])
 def test_a_bad_team_source_is_refused_naming_the_flag(bad):
     with pytest.raises(SettingsError, match="--output-rate-team-source"):
-        OutputRateSettings(
-            default_rate=100, user_source="header:x-user-id", team_source=bad
-        )
+        settings_of(default_rate=100, user_source="header:x-user-id", team_source=bad)
 
 
 def test_the_team_source_travels_in_additional_config():
-    settings = OutputRateSettings(default_rate=100, **GATEWAY)
+    settings = settings_of(default_rate=100, **GATEWAY)
     entry = settings.to_additional_config()
     assert entry["team_source"] == "header:x-team-id"
     again = OutputRateSettings.from_additional_config({"output_rate": entry})
     assert again.team_source == parse_team_source("header:x-team-id")
-    assert (
-        "team_source" not in OutputRateSettings(default_rate=1).to_additional_config()
-    )
+    assert "team_source" not in settings_of(default_rate=1).to_additional_config()
 
 
 # -- the guard ------------------------------------------------------------------
@@ -93,7 +90,7 @@ async def echo(request: Request) -> Response:
 
 
 def app(**settings: Any) -> Starlette:
-    paced = OutputRateSettings(default_rate=100, **settings)
+    paced = settings_of(default_rate=100, **settings)
     built = Starlette(
         routes=[Route("/v1/completions", echo, methods=["POST"])],
         middleware=[Middleware(OutputRateRequestGuard)],

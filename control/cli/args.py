@@ -28,8 +28,9 @@ from control.service.user_states import (
 )
 from pacing.fair_share import validate_weight
 from pacing.identity import validate_user
-from pacing.limiter import MAX_RATE
+from pacing.limits import validate_rate
 from pacing.modes import Mode
+from pacing.policy.errors import PolicyError
 from pacing.settings.flags import DEFAULT_ADDRESS, TOKEN_ENV
 
 #: Longest --timeout: far beyond any call, far below where gRPC's deadline
@@ -87,14 +88,29 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
-def _weight(raw: str) -> float:
-    """A fair-share weight: a number in (0, 1000000]."""
+def _rate(raw: str) -> int:
+    """A rate, in the words of the rule (``pacing.limits.validate_rate``)."""
     try:
-        return validate_weight(float(raw), field="the weight")
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number above 0 and at most 1000000, got {_shown(raw)}"
-        ) from None
+        return validate_rate(int(raw))
+    except ValueError:  # PolicyError, or no whole number (or over 4300 digits)
+        try:
+            validate_rate(raw)  # a str: fails, showing what was typed
+        except PolicyError as error:
+            raise argparse.ArgumentTypeError(error.message) from None
+        raise
+
+
+def _weight(raw: str) -> float:
+    """A fair-share weight, in the words of the rule
+    (``pacing.fair_share.validate_weight``)."""
+    try:
+        return validate_weight(float(raw))
+    except ValueError:  # PolicyError, or no number
+        try:
+            validate_weight(raw)  # a str: fails, showing what was typed
+        except PolicyError as error:
+            raise argparse.ArgumentTypeError(error.message) from None
+        raise
 
 
 def _user(raw: str) -> str:
@@ -160,7 +176,7 @@ def _add_team_commands(teams: argparse.ArgumentParser) -> None:
         "create", commands.create_team, "create a team: a rate its members share"
     )
     sub.add_argument("team", type=_team)
-    sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
+    sub.add_argument("rate", type=_rate, help="tokens per second")
     sub.add_argument(
         "--weight", type=_weight, metavar="W", help="fair-share weight among teams"
     )
@@ -170,9 +186,7 @@ def _add_team_commands(teams: argparse.ArgumentParser) -> None:
         "change a team's rate or weight (members share it from the next step)",
     )
     sub.add_argument("team", type=_team)
-    sub.add_argument(
-        "--rate", type=_whole(1, MAX_RATE), metavar="N", help="tokens per second"
-    )
+    sub.add_argument("--rate", type=_rate, metavar="N", help="tokens per second")
     weight = sub.add_mutually_exclusive_group()
     weight.add_argument(
         "--weight", type=_weight, metavar="W", help="fair-share weight among teams"
@@ -278,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "set", commands.set_limit, "set one user's limit (creates it if missing)"
     )
     sub.add_argument("user", type=_user)
-    sub.add_argument("rate", type=_whole(1, MAX_RATE), help="tokens per second")
+    sub.add_argument("rate", type=_rate, help="tokens per second")
     sub.add_argument(
         "--create", action="store_true", help="fail if the user has a limit already"
     )
@@ -332,9 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         "create a tier: a rate, --exempt or both",
     )
     sub.add_argument("tier", type=_tier)
-    sub.add_argument(
-        "rate", nargs="?", type=_whole(1, MAX_RATE), help="tokens per second"
-    )
+    sub.add_argument("rate", nargs="?", type=_rate, help="tokens per second")
     sub.add_argument(
         "--exempt",
         action="store_true",
@@ -353,9 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("tier", type=_tier)
     rate = sub.add_mutually_exclusive_group()
-    rate.add_argument(
-        "--rate", type=_whole(1, MAX_RATE), metavar="N", help="tokens per second"
-    )
+    rate.add_argument("--rate", type=_rate, metavar="N", help="tokens per second")
     rate.add_argument(
         "--no-rate", dest="rate", action="store_const", const=0, help="remove the rate"
     )
@@ -412,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     ).add_argument("switch", choices=["on", "off"])
     command("get-default", commands.get_default, "show the default limit")
     command("set-default", commands.set_default, "set the default limit").add_argument(
-        "rate", type=_whole(1, MAX_RATE), help="tokens per second"
+        "rate", type=_rate, help="tokens per second"
     )
     sub = command(
         "state", commands.state, "show limiter state of one user, or of all users"

@@ -44,10 +44,11 @@ from collections.abc import Callable
 
 from control.errors import Aborted, FailedPrecondition, Unavailable
 from control.resources import Etags
-from control.table import FAIR_SHARE_KEY, TableDocument
+from control.table import TableDocument
 from pacing import global_limits
 from pacing.fair_share_policy import apply_policy
 from pacing.limiter import OutputRateLimiter
+from pacing.policy.document import FAIR_SHARE_KEY
 from pacing.shared import SharedLimiter
 from pacing.teams import Teams
 

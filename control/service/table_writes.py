@@ -1,7 +1,8 @@
 """Changes of the whole limits table: replacing it (``ReplaceLimitsTable``) and
 reloading it from the config file.
 
-A replacement is checked on its own first (``parse_table``: ids, duplicates,
+A replacement is checked on its own first (``parse_table``: by the policy's one
+validator, ids, duplicates,
 rates, memberships of tiers and teams, sizes), then against the table etag under
 ``commits.changes``, and committed as one new table; a reload is applied
 without being persisted, since it came from the config file.
@@ -14,23 +15,24 @@ of an old table and part of a new one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from control import names
 from control.errors import Aborted, InvalidArgument
 from control.resources import LimitSpec, LimitsTable, TeamSpec, TierSpec, table_of
 from control.service.commits import Apply, TableCommits, TeamsApply
-from control.service.write_requests import entry_rate
-from control.table import (
-    FAIR_SHARE_KEY,
-    TableDocument,
-    check_rate,
-    check_table_size,
-    check_tier_count,
-    check_weight,
-    shown,
-)
+from control.table import TableDocument, shown
 from pacing.limiter import OutputRateLimiter
+from pacing.policy.document import (
+    DEFAULT_RATE_KEY,
+    FAIR_SHARE_KEY,
+    RATE_KEY,
+    USERS_KEY,
+    parse,
+)
+from pacing.policy.errors import PolicyError
+from pacing.policy.model import GROUP_KEYS, GroupKind
 from pacing.teams import Teams, TeamTable
 
 
@@ -40,105 +42,96 @@ def parse_table(
     tiers: Iterable[TierSpec],
     teams: Iterable[TeamSpec] = (),
 ) -> TableDocument:
-    """The table a ``ReplaceLimitsTable`` request holds, checked on its own
-    (ids, duplicates, rates, weights, memberships, sizes); its mode and
-    fair-share switch are None."""
-    default = check_rate(
-        default_tokens_per_second, field="limits_table.default_tokens_per_second"
-    )
-    tier_rates: dict[str, int] = {}
-    tier_weights: dict[str, float] = {}
-    exempt_tiers: set[str] = set()
-    seen_tiers: set[str] = set()
-    for index, spec in enumerate(tiers):
+    """The table a ``ReplaceLimitsTable`` request holds, checked on its own by
+    the policy's one validator (``pacing.policy.document``) once its resource
+    names are parsed; an error names the request's field
+    (``limits_table.limits[3].team: unknown team 'x'``). Its mode and
+    fair-share switch are None. A 0 stands for a field not set, as everywhere
+    in the API."""
+    fields: dict[tuple[str, str], str] = {}
+    tree: dict[str, Any] = {
+        DEFAULT_RATE_KEY: default_tokens_per_second,
+        GROUP_KEYS["tier"]: {},
+        GROUP_KEYS["team"]: {},
+        USERS_KEY: {},
+    }
+    for index, tier in enumerate(tiers):
         where = f"limits_table.tiers[{index}]"
-        tier = names.parse_tier(spec.name, field=f"{where}.name")
-        if tier in seen_tiers:
-            raise InvalidArgument(
-                f"{where}.name: {shown(names.tier_name(tier))} appears more than once"
-            )
-        seen_tiers.add(tier)
-        rate = entry_rate(spec.tokens_per_second, spec.exempt, where)
-        if rate is not None:
-            tier_rates[tier] = rate
-        weight = check_weight(spec.weight, field=f"{where}.weight")
-        if weight is not None:
-            tier_weights[tier] = weight
-        if spec.exempt:
-            exempt_tiers.add(tier)
-    check_tier_count(len(seen_tiers))
-    team_rates: dict[str, int] = {}
-    team_weights: dict[str, float] = {}
-    for index, team_spec in enumerate(teams):
+        name = names.parse_tier(tier.name, field=f"{where}.name")
+        _add(tree, fields, "tier", name, where, _set_fields(tier, tier.exempt))
+    for index, team in enumerate(teams):
         where = f"limits_table.teams[{index}]"
-        team = names.parse_team(team_spec.name, field=f"{where}.name")
-        if team in team_rates:
-            raise InvalidArgument(
-                f"{where}.name: {shown(names.team_name(team))} appears more than once"
-            )
-        team_rates[team] = check_rate(
-            team_spec.tokens_per_second, field=f"{where}.tokens_per_second"
-        )
-        team_weight = check_weight(team_spec.weight, field=f"{where}.weight")
-        if team_weight is not None:
-            team_weights[team] = team_weight
-    check_tier_count(len(team_rates))
-    team_members: dict[str, str] = {}
-    users: dict[str, int] = {}
-    user_weights: dict[str, float] = {}
-    memberships: dict[str, str] = {}
-    exempt_users: set[str] = set()
-    seen_users: set[str] = set()
+        name = names.parse_team(team.name, field=f"{where}.name")
+        _add(tree, fields, "team", name, where, _set_fields(team, False))
     for index, entry in enumerate(limits):
         where = f"limits_table.limits[{index}]"
         user = names.parse_user(entry.name, names.LIMITS, field=f"{where}.name")
-        if user in seen_users:
+        if user in tree[USERS_KEY]:
             raise InvalidArgument(
                 f"{where}.name: {shown(names.limit_name(user))} appears more than once"
             )
-        seen_users.add(user)
-        weight = check_weight(entry.weight, field=f"{where}.weight")
-        rate = entry_rate(
-            entry.tokens_per_second,
-            bool(entry.tier) or bool(entry.team) or entry.exempt or weight is not None,
-            where,
-        )
-        if rate is not None:
-            users[user] = rate
-        if weight is not None:
-            user_weights[user] = weight
+        fields[(USERS_KEY, user)] = where
+        others = bool(entry.tier or entry.team or entry.exempt or entry.weight)
+        own = _set_fields(entry, others)
         if entry.tier:
-            tier = names.parse_tier(entry.tier, field=f"{where}.tier")
-            if tier not in seen_tiers:
-                raise InvalidArgument(
-                    f"{where}.tier: {shown(entry.tier)} is not one of "
-                    "limits_table.tiers"
-                )
-            memberships[user] = tier
+            own["tier"] = names.parse_tier(entry.tier, field=f"{where}.tier")
         if entry.team:
-            team = names.parse_team(entry.team, field=f"{where}.team")
-            if team not in team_rates:
-                raise InvalidArgument(
-                    f"{where}.team: {shown(entry.team)} is not one of "
-                    "limits_table.teams"
-                )
-            team_members[user] = team
-        if entry.exempt:
-            exempt_users.add(user)
-    check_table_size(len(seen_users))
-    return TableDocument(
-        default_rate=default,
-        user_rates=users,
-        tier_rates=tier_rates,
-        exempt_tiers=frozenset(exempt_tiers),
-        memberships=memberships,
-        exempt_users=frozenset(exempt_users),
-        user_weights=user_weights,
-        tier_weights=tier_weights,
-        team_rates=team_rates,
-        team_members=team_members,
-        team_weights=team_weights,
-    )
+            own["team"] = names.parse_team(entry.team, field=f"{where}.team")
+        tree[USERS_KEY][user] = own
+    try:
+        document = parse(tree)
+    except PolicyError as error:
+        raise InvalidArgument(_in_request(error, fields)) from None
+    return TableDocument.from_document(document)
+
+
+def _add(
+    tree: dict[str, Any],
+    fields: dict[tuple[str, str], str],
+    kind: GroupKind,
+    name: str,
+    where: str,
+    limits: dict[str, Any],
+) -> None:
+    """Puts group ``name``'s limits in ``tree``, refusing a second one."""
+    key = GROUP_KEYS[kind]
+    if name in tree[key]:
+        resource = names.tier_name(name) if kind == "tier" else names.team_name(name)
+        raise InvalidArgument(f"{where}.name: {shown(resource)} appears more than once")
+    fields[(key, name)] = where
+    tree[key][name] = limits
+
+
+def _set_fields(
+    spec: LimitSpec | TierSpec | TeamSpec, optional_rate: bool
+) -> dict[str, Any]:
+    """The limits a spec sets: 0 and false stand for not set, but for a rate
+    that nothing else stands in for (checked as a rate then)."""
+    given: dict[str, Any] = {}
+    if spec.tokens_per_second or not optional_rate:
+        given[RATE_KEY] = spec.tokens_per_second
+    if getattr(spec, "exempt", False):
+        given["exempt"] = True
+    if spec.weight:
+        given["weight"] = spec.weight
+    return given
+
+
+def _in_request(error: PolicyError, fields: Mapping[tuple[str, str], str]) -> str:
+    """``error``'s message at the request's field that holds its path."""
+    parts = error.parts
+    if isinstance(parts, str) or not parts:
+        return str(error)
+    if parts[0] == DEFAULT_RATE_KEY:
+        return f"limits_table.default_tokens_per_second: {error.message}"
+    if parts[0] in (GROUP_KEYS["tier"], GROUP_KEYS["team"]) and len(parts) == 1:
+        field = f"limits_table.{parts[0]}"
+        return f"{field}: {error.message}"
+    where = fields.get((str(parts[0]), str(parts[1]))) if len(parts) > 1 else None
+    if where is None:
+        return f"limits_table: {error}"
+    rest = "".join(f".{part}" for part in parts[2:])
+    return f"{where}{rest}: {error.message}"
 
 
 def replace_limits_table(

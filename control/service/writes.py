@@ -66,6 +66,7 @@ from control.table import (
 )
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
+from pacing.policy.document import unknown_group
 from pacing.teams import Teams
 
 
@@ -555,16 +556,12 @@ def _check_room(count: int) -> None:
 
 def _check_tier_exists(doc: TableDocument, tier: str | None, *, field: str) -> None:
     if tier is not None and tier not in doc.tiers:
-        raise FailedPrecondition(
-            f"{field}: {shown(names.tier_name(tier))} does not exist; create it first"
-        )
+        raise FailedPrecondition(str(unknown_group("tier", tier, field)))
 
 
 def _check_team_exists(doc: TableDocument, team: str | None, *, field: str) -> None:
     if team is not None and team not in doc.team_rates:
-        raise FailedPrecondition(
-            f"{field}: {shown(names.team_name(team))} does not exist; create it first"
-        )
+        raise FailedPrecondition(str(unknown_group("team", team, field)))
 
 
 def _check_team_room(doc: TableDocument) -> None:

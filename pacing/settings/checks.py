@@ -1,10 +1,10 @@
-"""Parsing and validation of the settings' values, shared by the flags and
+"""Parsing of the settings' values, shared by the flags and
 ``additional_config``: ``SettingsError``, the JSON flags' values, arrays of
-names, each part of the limit table on its own, and unknown keys.
+names and unknown keys. The policy's rules are the policy's
+(``pacing.policy.document``).
 
-Every failure raises a ``ValueError`` whose message names the flag or the key
-(``SettingsError`` everywhere but ``check_table_part``, whose callers wrap it);
-nothing here reads argparse or builds a settings object.
+Every failure raises a ``SettingsError`` whose message names the flag or the
+key; nothing here reads argparse or builds a settings object.
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from pacing.identity import validate_user
-from pacing.limiter import validate_rate
 from pacing.settings.flags import (
     EXEMPT_TIERS_FLAG,
     EXEMPT_USERS_FLAG,
     FAIR_SHARE_CONFIG_FLAG,
-    TABLE_FLAGS,
     TEAM_MEMBERS_FLAG,
     TEAMS_FLAG,
     TIER_MEMBERS_FLAG,
@@ -32,12 +29,6 @@ from pacing.settings.flags import (
 
 class SettingsError(ValueError):
     """A setting is invalid; the message names the flag or the key."""
-
-
-def parse_user_rates(raw: str | None) -> dict[str, int]:
-    """Parses ``--user-output-tokens-per-second`` JSON: ``{"user": rate, ...}``."""
-    rates: dict[str, int] = parse_json(raw, USER_RATES_FLAG)
-    return rates
 
 
 #: JSON flag -> (the JSON type of its value, what it is, an example).
@@ -133,46 +124,12 @@ def names_entry(entry: Mapping[str, Any], key: str, where: str) -> frozenset[str
     return frozenset() if value is None else name_set(value, f"{where}[{key!r}]")
 
 
-def check_table_part(name: str, value: Any) -> None:
-    """Validates the names and rates of limit-table field ``name`` on its own,
-    raising ValueError naming its flag: pacing.limits' rules (tier names follow
-    the user-id rule, as in ``validate_tier``). ``OutputRateSettings`` checks
-    the rules across fields."""
-    flag = TABLE_FLAGS[name]
-    if name == "user_rates":
-        for user, rate in value.items():
-            validate_user(user, field=f"user name in {flag}")
-            validate_rate(rate, field=f"{flag} rate of {user!r}")
-    elif name == "tier_rates":
-        for tier, rate in value.items():
-            validate_user(tier, field=f"tier name in {flag}")
-            validate_rate(rate, field=f"{flag} rate of {tier!r}")
-    elif name == "memberships":
-        for user, tier in value.items():
-            validate_user(user, field=f"user name in {flag}")
-            validate_user(tier, field=f"tier of {user!r} in {flag}")
-    elif name == "team_rates":
-        for team, rate in value.items():
-            validate_user(team, field=f"team name in {flag}")
-            validate_rate(rate, field=f"{flag} rate of {team!r}")
-    elif name == "team_members":
-        for user, team in value.items():
-            validate_user(user, field=f"user name in {flag}")
-            validate_user(team, field=f"team of {user!r} in {flag}")
-    elif name == "exempt_users":
-        for user in value:
-            validate_user(user, field=f"user name in {flag}")
-    else:
-        for tier in value:
-            validate_user(tier, field=f"tier name in {flag}")
-
-
 def field_names(cls: type) -> set[str]:
     """The field names of dataclass ``cls``: the keys its entry may hold."""
     return {f.name for f in fields(cls)}
 
 
-def check_keys(entry: object, where: str, known: set[str]) -> None:
+def check_entry_keys(entry: object, where: str, known: set[str]) -> None:
     """Refuses ``entry`` unless it is an object whose keys all are in ``known``."""
     if not isinstance(entry, Mapping):
         raise SettingsError(f"{where} must be an object")

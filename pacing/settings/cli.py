@@ -24,11 +24,10 @@ from pacing.limiter import validate_rate
 from pacing.modes import Mode, parse_mode
 from pacing.settings.checks import (
     SettingsError,
-    check_table_part,
     name_set,
     parse_json,
 )
-from pacing.settings.fair_share import config_from_flag, weights_from_flag
+from pacing.settings.fair_share import config_from_flag
 from pacing.settings.flags import (
     ADDRESS_FLAG,
     ADDRESS_OFF,
@@ -41,8 +40,8 @@ from pacing.settings.flags import (
     FAIR_SHARE_CONFIG_FLAG,
     FAIR_SHARE_FLAG,
     MODE_FLAG,
+    POLICY_FLAG,
     REQUIRE_USER_FLAG,
-    TABLE_FLAGS,
     TEAM_MEMBERS_FLAG,
     TEAM_SOURCE_FLAG,
     TEAMS_FLAG,
@@ -86,6 +85,17 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     """Adds every flag to ``group`` (a parser or an argument group); values are
     checked as they are parsed, so a bad one is an argparse error."""
     group.add_argument(
+        POLICY_FLAG,
+        default=None,
+        metavar="PATH|JSON",
+        help="The whole start-up policy as one document (the limits file's "
+        "format: default, users, tiers, teams, weights, mode, fair_share), "
+        "inline as JSON or the path of a JSON or YAML file, read once at start. "
+        "It enables pacing; the flags that give pieces of it (the default, user "
+        "limits, tiers, teams, members, exemptions, weights, mode, fair share) "
+        "are its aliases and cannot be given with it.",
+    )
+    group.add_argument(
         DEFAULT_RATE_FLAG,
         type=_rate_arg,
         default=None,
@@ -103,7 +113,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     group.add_argument(
         MODE_FLAG,
         type=_mode_arg,
-        default=Mode.ENFORCE,
+        default=None,
         metavar="{" + ",".join(mode.value for mode in Mode) + "}",
         help="What pacing does with its decisions: enforce them (default); "
         "shadow: compute and export everything enforce would, throttle nobody; "
@@ -201,7 +211,7 @@ def add_cli_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     )
     group.add_argument(
         WEIGHTS_FLAG,
-        type=_checked(weights_from_flag),
+        type=_json_arg(WEIGHTS_FLAG),
         default=None,
         metavar="JSON",
         help='Fair-share weights as JSON, e.g. \'{"users": {"alice": 2}, "tiers": '
@@ -442,16 +452,15 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
 
 
 def _json_arg(flag: str) -> Callable[[str], str]:
-    """The argparse ``type`` of JSON flag ``flag``: checks the value on its own
-    (rules across flags are checked once all are parsed) and keeps the text."""
-    name = next(name for name, table_flag in TABLE_FLAGS.items() if table_flag == flag)
+    """The argparse ``type`` of JSON flag ``flag``: checks that the value is
+    JSON of the flag's type and keeps the text (the policy's rules are checked
+    once all flags are parsed, on the document they build)."""
 
     def check(raw: str) -> str:
         try:
             value = parse_json(raw, flag)
             if isinstance(value, list):
-                value = name_set(value, flag)
-            check_table_part(name, value)
+                name_set(value, flag)
         except ValueError as exc:  # SettingsError included
             raise argparse.ArgumentTypeError(str(exc)) from None
         return raw

@@ -31,6 +31,7 @@ TOKEN_FILE_FLAG = "--output-rate-control-token-file"
 TLS_CERT_FLAG = "--output-rate-control-tls-cert"
 TLS_KEY_FLAG = "--output-rate-control-tls-key"
 TLS_CLIENT_CA_FLAG = "--output-rate-control-tls-client-ca"
+POLICY_FLAG = "--output-rate-policy"
 
 #: Where the control plane listens unless told otherwise: loopback only.
 DEFAULT_ADDRESS = "127.0.0.1:50151"
@@ -40,24 +41,23 @@ ADDRESS_OFF = "off"
 #: file is given (read by the control plane and by ``output-rate-ctl``).
 TOKEN_ENV = "OUTPUT_RATE_CONTROL_TOKEN"
 
-#: ``OutputRateSettings`` field outside the limit table -> the flag that sets it
-#: (all weights come from one flag).
+#: ``OutputRateSettings`` field -> the flag that sets it.
 SETTING_FLAGS = {
-    "default_rate": DEFAULT_RATE_FLAG,
-    "mode": MODE_FLAG,
+    "policy": POLICY_FLAG,
     "user_source": USER_SOURCE_FLAG,
     "team_source": TEAM_SOURCE_FLAG,
     "require_user": REQUIRE_USER_FLAG,
     "allow_unattributed": ALLOW_UNATTRIBUTED_FLAG,
-    "fair_share": FAIR_SHARE_FLAG,
-    "user_weights": WEIGHTS_FLAG,
-    "tier_weights": WEIGHTS_FLAG,
-    "team_weights": WEIGHTS_FLAG,
     "fair_share_config": FAIR_SHARE_CONFIG_FLAG,
 }
 
-#: Limit-table field of ``OutputRateSettings`` -> its flag.
-TABLE_FLAGS = {
+#: Piece of the start-up policy -> the flag that gives it, an alias of that
+#: piece of ``POLICY_FLAG``'s document (``pacing.settings.policy``); the
+#: pieces' names are also the older ``additional_config`` keys.
+POLICY_ALIASES = {
+    "default_rate": DEFAULT_RATE_FLAG,
+    "mode": MODE_FLAG,
+    "fair_share": FAIR_SHARE_FLAG,
     "user_rates": USER_RATES_FLAG,
     "tier_rates": TIERS_FLAG,
     "memberships": TIER_MEMBERS_FLAG,
@@ -65,6 +65,9 @@ TABLE_FLAGS = {
     "exempt_tiers": EXEMPT_TIERS_FLAG,
     "team_rates": TEAMS_FLAG,
     "team_members": TEAM_MEMBERS_FLAG,
+    "user_weights": WEIGHTS_FLAG,
+    "tier_weights": WEIGHTS_FLAG,
+    "team_weights": WEIGHTS_FLAG,
 }
 
 #: ``ControlSettings`` field -> its flag.

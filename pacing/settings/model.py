@@ -71,16 +71,23 @@ from pacing.identity import (
     parse_team_source,
     parse_user_source,
 )
-from pacing.limiter import OutputRateLimiter, validate_rate
-from pacing.modes import Mode, parse_mode
+from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
+from pacing.policy.document import (
+    WEIGHT_KEYS,
+    WEIGHTS_KEY,
+    Document,
+    check_keys,
+    to_tree,
+)
+from pacing.policy.errors import PolicyError
+from pacing.policy.model import Policy
 from pacing.settings.checks import (
     SettingsError,
-    check_keys,
-    check_table_part,
+    check_entry_keys,
     field_names,
     name_set,
     names_entry,
-    object_entry,
     parse_json,
 )
 from pacing.settings.cli import dest, store_from_cli_args
@@ -88,35 +95,31 @@ from pacing.settings.fair_share import (
     config_entry,
     config_from_flag,
     parse_fair_share_config,
-    parse_weights,
-    weights_from_flag,
 )
 from pacing.settings.flags import (
+    ADDRESS_FLAG,
     ADDRESS_OFF,
     ALLOW_UNATTRIBUTED_FLAG,
+    CONFIG_FLAG,
     CONTROL_FLAGS,
     DEFAULT_ADDRESS,
     DEFAULT_RATE_FLAG,
-    EXEMPT_TIERS_FLAG,
     FAIR_SHARE_CONFIG_FLAG,
-    FAIR_SHARE_FLAG,
-    MODE_FLAG,
+    POLICY_ALIASES,
+    POLICY_FLAG,
     REQUIRE_USER_FLAG,
     SETTING_FLAGS,
-    TABLE_FLAGS,
-    TEAM_MEMBERS_FLAG,
     TEAM_SOURCE_FLAG,
-    TEAMS_FLAG,
-    TIER_MEMBERS_FLAG,
-    TIERS_FLAG,
     TLS_CERT_FLAG,
     TLS_CLIENT_CA_FLAG,
     TLS_KEY_FLAG,
+    TOKEN_FILE_FLAG,
     USER_SOURCE_FLAG,
     WEIGHTS_FLAG,
 )
+from pacing.settings.policy import policy_of_entry, policy_of_flag, policy_of_pieces
 from pacing.settings.store import STORE_FLAG, STORE_FLAGS, StoreSettings
-from pacing.teams import Teams, TeamTable
+from pacing.teams import Teams
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -138,13 +141,19 @@ DEFAULT_MAX_LABELLED_USERS = 100
 
 def _flag_keys() -> dict[str, tuple[str, ...]]:
     keys: dict[str, tuple[str, ...]] = {}
-    for prefix, flags in (
-        ("", {**SETTING_FLAGS, **TABLE_FLAGS}),
-        ("control.", CONTROL_FLAGS),
-        ("store.", STORE_FLAGS),
-    ):
-        for name, flag in flags.items():
-            keys[flag] = (*keys.get(flag, ()), prefix + name)
+
+    def add(flag: str, key: str) -> None:
+        if key not in keys.get(flag, ()):
+            keys[flag] = (*keys.get(flag, ()), key)
+
+    for name, flag in SETTING_FLAGS.items():
+        add(flag, name)
+    for flag in POLICY_ALIASES.values():  # an alias builds the policy
+        add(flag, "policy")
+    for name, flag in CONTROL_FLAGS.items():
+        add(flag, f"control.{name}")
+    for name, flag in STORE_FLAGS.items():
+        add(flag, f"store.{name}")
     return keys
 
 
@@ -167,6 +176,18 @@ class ControlSettings:
     tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.enabled:
+            for flag, value in (
+                (TOKEN_FILE_FLAG, self.token_file),
+                (TLS_CERT_FLAG, self.tls_cert),
+                (TLS_KEY_FLAG, self.tls_key),
+                (TLS_CLIENT_CA_FLAG, self.tls_client_ca),
+            ):
+                if value is not None:
+                    raise SettingsError(
+                        f"{flag} cannot take effect with {ADDRESS_FLAG} "
+                        f"{ADDRESS_OFF}: no control plane listens"
+                    )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise SettingsError(
                 f"{TLS_CERT_FLAG} and {TLS_KEY_FLAG} must be given together"
@@ -208,23 +229,19 @@ class MetricsSettings:
 
 @dataclass(frozen=True)
 class OutputRateSettings:
-    """What the operator asked for, validated: a default limit (``None`` =
-    pacing off) and per-user overrides in output tokens per second, the mode,
-    tiers, memberships and exemptions (``pacing.limits``), where the HTTP guard
-    takes a request's user id from and whether a request must name one, the
-    control plane (``None``: none asked for), the metrics, the global store
-    that makes the limits hold across engines (``None``: none, each engine
-    paces alone), weighted fair share (``pacing.fair_share``): whether it
-    is on at start, its pricing, and the users', tiers' and teams' weights,
-    and the teams (``pacing.teams``): their rates and members."""
+    """What the operator asked for, validated: the start-up policy
+    (``pacing.policy``: the default limit, users, tiers, teams, exemptions,
+    weights, the mode and the fair-share switch, from ``--output-rate-policy``
+    or its aliases), where the HTTP guard takes a request's user id and team
+    from and whether a request must name one, the control plane and the limits
+    file (``None``: none asked for), the metrics, the global store that makes
+    the limits hold across engines (``None``: each engine paces alone) and
+    fair share's pricing (``pacing.fair_share``).
 
-    default_rate: int | None = None
-    user_rates: Mapping[str, int] = field(default_factory=dict)
-    mode: Mode = Mode.ENFORCE
-    tier_rates: Mapping[str, int] = field(default_factory=dict)
-    memberships: Mapping[str, str] = field(default_factory=dict)  # user -> tier
-    exempt_users: frozenset[str] = frozenset()
-    exempt_tiers: frozenset[str] = frozenset()
+    Pacing is on when the policy has a default limit or a limits file is given
+    (``enabled``): a policy given in any form is enforced."""
+
+    policy: Policy = field(default_factory=Policy)
     user_source: UserSource = XARGS_SOURCE
     require_user: bool = False
     #: Serve routes no user id can reach (charged to ``__anonymous__``) with a
@@ -233,41 +250,22 @@ class OutputRateSettings:
     control: ControlSettings | None = None
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     store: StoreSettings | None = None
-    fair_share: bool = False
     fair_share_config: FairShareSettings = field(default_factory=FairShareSettings)
-    user_weights: Mapping[str, float] = field(default_factory=dict)
-    tier_weights: Mapping[str, float] = field(default_factory=dict)
-    team_rates: Mapping[str, int] = field(default_factory=dict)
-    team_members: Mapping[str, str] = field(default_factory=dict)  # user -> team
-    team_weights: Mapping[str, float] = field(default_factory=dict)
     team_source: TeamSource = TABLE_TEAM_SOURCE
 
     def __post_init__(self) -> None:
-        # Normalised so that equality and ``.value`` hold for a mode given by
-        # name and for names given as any array.
-        for name in ("exempt_users", "exempt_tiers"):
-            object.__setattr__(
-                self, name, name_set(getattr(self, name), TABLE_FLAGS[name])
+        if not isinstance(self.policy, Policy):
+            raise SettingsError(
+                f"policy must be a pacing.policy.model.Policy, got "
+                f"{type(self.policy).__name__}"
             )
         try:
-            object.__setattr__(self, "mode", parse_mode(self.mode, field=MODE_FLAG))
             source = parse_user_source(self.user_source, field=USER_SOURCE_FLAG)
             object.__setattr__(self, "user_source", source)
             team_source = parse_team_source(self.team_source, field=TEAM_SOURCE_FLAG)
             object.__setattr__(self, "team_source", team_source)
-            if self.default_rate is not None:
-                validate_rate(self.default_rate, field=DEFAULT_RATE_FLAG)
-            for name in TABLE_FLAGS:
-                check_table_part(name, getattr(self, name))
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        for user, tier in self.memberships.items():
-            # pacing.limits: a user joins only a tier that exists.
-            if tier not in self.tier_rates and tier not in self.exempt_tiers:
-                raise SettingsError(
-                    f"{TIER_MEMBERS_FLAG} puts {user!r} in tier {tier!r}, which "
-                    f"neither {TIERS_FLAG} nor {EXEMPT_TIERS_FLAG} defines"
-                )
         if not isinstance(self.require_user, bool):
             raise SettingsError(
                 f"{REQUIRE_USER_FLAG} must be a boolean, got {self.require_user!r}"
@@ -285,31 +283,6 @@ class OutputRateSettings:
                 f"({USER_SOURCE_FLAG} header:NAME or openai-user) without "
                 f"{REQUIRE_USER_FLAG}: only then are those routes refused"
             )
-        if not isinstance(self.fair_share, bool):
-            raise SettingsError(
-                f"{FAIR_SHARE_FLAG} must be a boolean, got {self.fair_share!r}"
-            )
-        for user, team in self.team_members.items():
-            if team not in self.team_rates:
-                raise SettingsError(
-                    f"{TEAM_MEMBERS_FLAG} puts {user!r} in team {team!r}, which "
-                    f"{TEAMS_FLAG} does not define"
-                )
-        weights = {
-            "users": self.user_weights,
-            "tiers": self.tier_weights,
-            "teams": self.team_weights,
-        }
-        user_weights, tier_weights, team_weights = parse_weights(weights, WEIGHTS_FLAG)
-        object.__setattr__(self, "user_weights", user_weights)
-        object.__setattr__(self, "tier_weights", tier_weights)
-        object.__setattr__(self, "team_weights", team_weights)
-        for team in team_weights:
-            if team not in self.team_rates:
-                raise SettingsError(
-                    f"{WEIGHTS_FLAG} weighs team {team!r}, which {TEAMS_FLAG} "
-                    "does not define"
-                )
         if self.team_source.header is not None:
             if self.user_source == XARGS_SOURCE:
                 raise SettingsError(
@@ -323,64 +296,71 @@ class OutputRateSettings:
                     f"{TEAM_SOURCE_FLAG} and {USER_SOURCE_FLAG} name the same "
                     f"header ({self.team_source.header})"
                 )
-        for tier in tier_weights:
-            if tier not in self.tier_rates and tier not in self.exempt_tiers:
-                raise SettingsError(
-                    f"{WEIGHTS_FLAG} weighs tier {tier!r}, which neither "
-                    f"{TIERS_FLAG} nor {EXEMPT_TIERS_FLAG} defines"
-                )
-        if self.default_rate is None:
-            given = [flag for name, flag in TABLE_FLAGS.items() if getattr(self, name)]
-            if self.mode is not Mode.ENFORCE:
-                given.append(MODE_FLAG)
-            if self.user_source != XARGS_SOURCE:
-                given.append(USER_SOURCE_FLAG)
-            if self.team_source != TABLE_TEAM_SOURCE:
-                given.append(TEAM_SOURCE_FLAG)
-            if self.require_user:
-                given.append(REQUIRE_USER_FLAG)
-            if self.store is not None:
-                given.append(STORE_FLAG)
-            if self.fair_share:
-                given.append(FAIR_SHARE_FLAG)
-            if self.user_weights or self.tier_weights or self.team_weights:
-                given.append(WEIGHTS_FLAG)
-            if self.fair_share_config != FairShareSettings():
-                given.append(FAIR_SHARE_CONFIG_FLAG)
+        if not self.enabled:
+            given = self._given_without_pacing()
             if given:
-                raise SettingsError(
-                    f"{given[0]} needs {DEFAULT_RATE_FLAG}: the default limit "
-                    "is what turns per-user output pacing on"
-                )
+                raise SettingsError(f"{given} {_NEEDS_DEFAULT}")
+
+    def _given_without_pacing(self) -> str | None:
+        """What was asked for that only pacing can do, if anything."""
+        if self.policy != Policy():
+            return "the policy"
+        for flag, given in (
+            (USER_SOURCE_FLAG, self.user_source != XARGS_SOURCE),
+            (TEAM_SOURCE_FLAG, self.team_source != TABLE_TEAM_SOURCE),
+            (REQUIRE_USER_FLAG, self.require_user),
+            (STORE_FLAG, self.store is not None),
+            (FAIR_SHARE_CONFIG_FLAG, self.fair_share_config != FairShareSettings()),
+        ):
+            if given:
+                return flag
+        return None
 
     @property
     def enabled(self) -> bool:
-        """Whether pacing is on."""
-        return self.default_rate is not None
+        """Whether pacing is on: the policy has a default limit, or a limits
+        file (which must give one if the policy does not) is given."""
+        return self.policy.default_rate is not None or self.config_path is not None
+
+    @property
+    def config_path(self) -> str | None:
+        """The limits file, if one is given."""
+        return None if self.control is None else self.control.config_path
+
+    @property
+    def mode(self) -> Mode:
+        """The start-up mode: the policy's, else enforce."""
+        return Mode.ENFORCE if self.policy.mode is None else self.policy.mode
+
+    @property
+    def fair_share(self) -> bool:
+        """Whether fair share is on at start."""
+        return bool(self.policy.fair_share)
 
     def build_limiter(self) -> OutputRateLimiter:
-        """A limiter holding these limits: the default, the users' own limits,
-        tiers, memberships and exemptions."""
+        """A limiter holding the policy's default and limit table."""
+        table = self.policy.limit_table()
         return OutputRateLimiter(
-            self.default_rate,
-            dict(self.user_rates),
-            tier_rates=dict(self.tier_rates),
-            memberships=dict(self.memberships),
-            exempt_users=self.exempt_users,
-            exempt_tiers=self.exempt_tiers,
+            self.policy.default_rate,
+            table.user_rates,
+            tier_rates=table.tier_rates,
+            memberships=table.memberships,
+            exempt_users=table.exempt_users,
+            exempt_tiers=table.exempt_tiers,
         )
 
     def build_fair_share(self) -> FairShare:
-        """The fair-share ledger: these weights and pricing, on or off."""
+        """The fair-share ledger: the policy's weights and switch, this pricing."""
+        share = self.policy.share_policy()
         return FairShare(
             self.fair_share_config,
-            Weights(self.user_weights, self.tier_weights, self.team_weights),
-            enabled=self.fair_share,
+            Weights(share.users, share.tiers, share.teams),
+            enabled=share.enabled,
         )
 
     def build_teams(self) -> Teams:
         """The teams: their rates and members (``pacing.teams``)."""
-        return Teams(TeamTable(self.team_rates, self.team_members))
+        return Teams(self.policy.team_table())
 
     @classmethod
     def from_cli_args(
@@ -388,43 +368,33 @@ class OutputRateSettings:
         args: argparse.Namespace,
         additional_config: Mapping[str, Any] | None = None,
     ) -> OutputRateSettings:
-        """Reads the flags ``pacing.settings.cli.add_cli_args`` added. With pacing on
-        they set the limits, the mode, the control plane and the store; the
-        metrics, which have no flags, come from ``additional_config`` (as the
-        operator passed it), if it has them. Without ``DEFAULT_RATE_FLAG``:
-        pacing off, no control plane (and any other limit flag, a store flag or
-        a mode other than enforce is an error).
+        """Reads the flags ``pacing.settings.cli.add_cli_args`` added: the
+        policy (``POLICY_FLAG``, or its aliases, never both), the identity
+        sources, the control plane and the limits file, the store. The metrics,
+        which have no flags, come from ``additional_config`` (as the operator
+        passed it), if it has them. Pacing is on with a default limit or a
+        limits file; without either, any other flag is an error.
 
         With a store it also reads the files the store's settings name (the
         password file, the URL's TLS files), so that an unreadable one ends the
         start in the API process; their contents go nowhere."""
-        default_rate = getattr(args, dest(DEFAULT_RATE_FLAG))
         store = store_from_cli_args(args)
-        table = {
-            name: parse_json(getattr(args, dest(flag)), flag)
-            for name, flag in TABLE_FLAGS.items()
-        }
-        mode = getattr(args, dest(MODE_FLAG))
+        config_path = getattr(args, dest(CONFIG_FLAG))
+        policy, aliases = _policy_from_cli_args(args, config_path)
         identity = {
             "user_source": getattr(args, dest(USER_SOURCE_FLAG)),
             "team_source": getattr(args, dest(TEAM_SOURCE_FLAG)),
             "require_user": getattr(args, dest(REQUIRE_USER_FLAG)),
             "allow_unattributed": getattr(args, dest(ALLOW_UNATTRIBUTED_FLAG)),
-        }
-        user_weights, tier_weights, team_weights = weights_from_flag(
-            getattr(args, dest(WEIGHTS_FLAG))
-        )
-        identity.update(
-            fair_share=getattr(args, dest(FAIR_SHARE_FLAG)),
-            fair_share_config=config_from_flag(
+            "fair_share_config": config_from_flag(
                 getattr(args, dest(FAIR_SHARE_CONFIG_FLAG))
             ),
-            user_weights=user_weights,
-            tier_weights=tier_weights,
-            team_weights=team_weights,
-        )
-        if default_rate is None:
-            return cls(mode=mode, **table, **identity, store=store)
+        }
+        if policy.default_rate is None and config_path is None:
+            given = next(iter(aliases), None) or _control_flag_given(args)
+            if given is not None:
+                raise SettingsError(f"{given} {_NEEDS_DEFAULT}")
+            return cls(policy, **identity, store=store)
         if store is not None:
             try:
                 store.check_files()
@@ -433,22 +403,18 @@ class OutputRateSettings:
         control = ControlSettings(
             **{name: getattr(args, dest(flag)) for name, flag in CONTROL_FLAGS.items()}
         )
-        given = cls.from_additional_config(additional_config)
-        return cls(
-            default_rate,
-            mode=mode,
-            **table,
-            **identity,
-            control=control,
-            metrics=given.metrics,
-            store=store,
-        )
+        metrics = cls.from_additional_config(additional_config).metrics
+        return cls(policy, **identity, control=control, metrics=metrics, store=store)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> OutputRateSettings:
         """Reads our entry of ``additional_config`` (absent: pacing off). Every
         consumer reads the settings through this one function. vLLM also takes a
-        hashable object other than a dict there, which has no entry of ours."""
+        hashable object other than a dict there, which has no entry of ours.
+
+        The policy is the entry's ``policy`` (a policy document) or, as in
+        earlier versions, its pieces under their own keys (``POLICY_ALIASES``),
+        never both."""
         if not isinstance(additional_config, Mapping):
             return cls()
         for old, new in _MOVED_KEYS.items():
@@ -461,19 +427,19 @@ class OutputRateSettings:
         if entry is None:
             return cls()
         where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
-        check_keys(entry, where, field_names(cls))
-        user_rates = entry.get("user_rates") or {}
-        if not isinstance(user_rates, Mapping):
-            raise SettingsError(
-                f"{where}['user_rates'] must be an object mapping user names to "
-                "tokens per second"
-            )
-        mode = entry.get("mode")  # absent or null: the default
-        if mode is not None:
-            try:
-                mode = parse_mode(mode, field=f"{where}['mode']")
-            except ValueError as exc:
-                raise SettingsError(str(exc)) from None
+        check_entry_keys(entry, where, field_names(cls) | set(POLICY_ALIASES))
+        pieces = {key: entry[key] for key in POLICY_ALIASES if key in entry}
+        if entry.get("policy") is not None:
+            if pieces:
+                raise SettingsError(
+                    f"{where}['policy'] holds the whole policy: {where}"
+                    f"[{next(iter(pieces))!r}] cannot be given with it"
+                )
+            policy = policy_of_entry(entry["policy"], source=f"{where}['policy']")
+        else:
+            for key in ("exempt_users", "exempt_tiers"):
+                pieces[key] = names_entry(entry, key, where)
+            policy = policy_of_pieces(pieces, source=where)
         user_source = entry.get("user_source")  # absent or null: the default
         if user_source is not None:
             try:
@@ -498,69 +464,42 @@ class OutputRateSettings:
             raise SettingsError(f"{where}['allow_unattributed'] must be a boolean")
         control = None
         if (control_entry := entry.get("control")) is not None:
-            check_keys(
+            check_entry_keys(
                 control_entry, f"{where}['control']", field_names(ControlSettings)
             )
             control = ControlSettings(**control_entry)
         metrics = entry.get("metrics")
         metrics = {} if metrics is None else metrics
-        check_keys(metrics, f"{where}['metrics']", field_names(MetricsSettings))
+        check_entry_keys(metrics, f"{where}['metrics']", field_names(MetricsSettings))
         store = None
         if (store_entry := entry.get("store")) is not None:
-            check_keys(store_entry, f"{where}['store']", field_names(StoreSettings))
+            check_entry_keys(
+                store_entry, f"{where}['store']", field_names(StoreSettings)
+            )
             if "url" not in store_entry:
                 raise SettingsError(f"{where}['store'] needs a 'url'")
             try:
                 store = StoreSettings(**store_entry)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
-        fair_share = entry.get("fair_share")
-        if fair_share is not None and not isinstance(fair_share, bool):
-            raise SettingsError(f"{where}['fair_share'] must be a boolean")
-        user_weights, tier_weights, team_weights = parse_weights(
-            {
-                "users": object_entry(entry, "user_weights", where),
-                "tiers": object_entry(entry, "tier_weights", where),
-                "teams": object_entry(entry, "team_weights", where),
-            },
-            f"{where}['user_weights'/'tier_weights'/'team_weights']",
-        )
         return cls(
-            default_rate=entry.get("default_rate"),
-            user_rates=dict(user_rates),
-            mode=Mode.ENFORCE if mode is None else mode,
-            tier_rates=object_entry(entry, "tier_rates", where),
-            memberships=object_entry(entry, "memberships", where),
-            exempt_users=names_entry(entry, "exempt_users", where),
-            exempt_tiers=names_entry(entry, "exempt_tiers", where),
+            policy=policy,
             user_source=XARGS_SOURCE if user_source is None else user_source,
             require_user=bool(require_user),
             allow_unattributed=bool(allow_unattributed),
             control=control,
             metrics=MetricsSettings(**metrics),
             store=store,
-            fair_share=bool(fair_share),
             fair_share_config=parse_fair_share_config(
                 entry.get("fair_share_config"), f"{where}['fair_share_config']"
             ),
-            user_weights=user_weights,
-            tier_weights=tier_weights,
-            team_rates=object_entry(entry, "team_rates", where),
-            team_members=object_entry(entry, "team_members", where),
-            team_weights=team_weights,
             team_source=TABLE_TEAM_SOURCE if team_source is None else team_source,
         )
 
     def to_additional_config(self) -> dict[str, Any]:
         """Our entry for ``additional_config`` (JSON-serialisable, no secrets)."""
         entry: dict[str, Any] = {
-            "default_rate": self.default_rate,
-            "user_rates": dict(self.user_rates),
-            "mode": self.mode.value,
-            "tier_rates": dict(self.tier_rates),
-            "memberships": dict(self.memberships),
-            "exempt_users": sorted(self.exempt_users),
-            "exempt_tiers": sorted(self.exempt_tiers),
+            "policy": to_tree(Document(self.policy)),
             "user_source": self.user_source.spec,
             "require_user": self.require_user,
             "metrics": asdict(self.metrics),
@@ -568,19 +507,8 @@ class OutputRateSettings:
         # Only when used: the entry of an operator who uses none stays as it was.
         if self.allow_unattributed:
             entry["allow_unattributed"] = True
-        if self.fair_share:
-            entry["fair_share"] = True
         if self.fair_share_config != FairShareSettings():
             entry["fair_share_config"] = config_entry(self.fair_share_config)
-        if self.user_weights:
-            entry["user_weights"] = dict(self.user_weights)
-        if self.tier_weights:
-            entry["tier_weights"] = dict(self.tier_weights)
-        if self.team_rates:
-            entry["team_rates"] = dict(self.team_rates)
-            entry["team_members"] = dict(self.team_members)
-        if self.team_weights:
-            entry["team_weights"] = dict(self.team_weights)
         if self.team_source != TABLE_TEAM_SOURCE:
             entry["team_source"] = self.team_source.spec
         if self.control is not None:
@@ -591,3 +519,75 @@ class OutputRateSettings:
                 "failure_mode": self.store.failure_mode.value,
             }
         return entry
+
+
+#: The end of the error for a setting given with pacing off.
+_NEEDS_DEFAULT = (
+    f"needs a default limit ({DEFAULT_RATE_FLAG}, default_tokens_per_second in "
+    f"{POLICY_FLAG}) or a limits file ({CONFIG_FLAG}): they turn per-user output "
+    "pacing on"
+)
+
+
+def _policy_from_cli_args(
+    args: argparse.Namespace, config_path: str | None
+) -> tuple[Policy, list[str]]:
+    """The start-up policy: ``POLICY_FLAG``'s, or its aliases' (never both), and
+    the alias flags given. A policy given without a default limit needs a
+    limits file that gives one."""
+    aliases = {
+        name: getattr(args, dest(flag))
+        for name, flag in POLICY_ALIASES.items()
+        if flag != WEIGHTS_FLAG
+    }
+    for name in _OBJECT_ALIASES:
+        aliases[name] = parse_json(aliases[name], POLICY_ALIASES[name])
+    for name in ("exempt_users", "exempt_tiers"):
+        flag = POLICY_ALIASES[name]
+        aliases[name] = name_set(parse_json(aliases[name], flag), flag)
+    weights = parse_json(getattr(args, dest(WEIGHTS_FLAG)), WEIGHTS_FLAG)
+    try:
+        check_keys(weights, tuple(WEIGHT_KEYS.values()), (WEIGHTS_KEY,))
+    except PolicyError as error:
+        raise SettingsError(str(error.at(WEIGHTS_FLAG))) from None
+    for holder, key in WEIGHT_KEYS.items():
+        aliases[f"{holder}_weights"] = weights.get(key)
+    given = [
+        POLICY_ALIASES[name]
+        for name, piece in aliases.items()
+        if piece not in (None, False, {}, frozenset())
+    ]
+    value = getattr(args, dest(POLICY_FLAG))
+    if value is None:
+        return policy_of_pieces(aliases), given
+    if given:
+        raise SettingsError(
+            f"{given[0]} is an alias of a piece of {POLICY_FLAG}, which holds the "
+            "whole policy: give it there instead"
+        )
+    policy = policy_of_flag(value)
+    if policy.default_rate is None and config_path is None:
+        raise SettingsError(
+            f"{POLICY_FLAG}: default_tokens_per_second: required (the limit of "
+            f"every user the policy does not name), unless {CONFIG_FLAG} gives one"
+        )
+    return policy, []
+
+
+#: The aliases whose value is a JSON object.
+_OBJECT_ALIASES = (
+    "user_rates",
+    "tier_rates",
+    "memberships",
+    "team_rates",
+    "team_members",
+)
+
+
+def _control_flag_given(args: argparse.Namespace) -> str | None:
+    """The first control-plane flag given, other than its defaults."""
+    for name, flag in CONTROL_FLAGS.items():
+        value = getattr(args, dest(flag))
+        if value is not None and not (name == "address" and value == DEFAULT_ADDRESS):
+            return flag
+    return None

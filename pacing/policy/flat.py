@@ -1,0 +1,134 @@
+"""The policy's flat form: its pieces under their own names, as the flags give
+them, as earlier ``additional_config`` entries held them and as the store's
+table document holds them (``default_rate``, ``user_rates``, ``tier_rates``,
+``memberships``, ``exempt_users``, ``exempt_tiers``, ``team_rates``,
+``team_members``, ``user_weights``, ``tier_weights``, ``team_weights``,
+``mode``, ``fair_share``).
+
+``tree_of`` turns the pieces into the policy document, so that the one
+validator (``pacing.policy.document``) checks them; ``piece_of`` says which
+piece an error of that document is about, for messages that name where the
+operator wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from pacing.policy.document import (
+    DEFAULT_RATE_KEY,
+    EXEMPT_USERS_KEY,
+    FAIR_SHARE_KEY,
+    MEMBERSHIPS_KEY,
+    MODE_KEY,
+    RATE_KEY,
+    TEAM_MEMBERS_KEY,
+    USERS_KEY,
+    WEIGHT_KEYS,
+    WEIGHTS_KEY,
+    check_id,
+    check_list,
+    check_object,
+)
+from pacing.policy.errors import PolicyError
+from pacing.policy.model import GROUP_KEYS
+
+#: The pieces, in the order of their document keys.
+PIECES: Final = (
+    "default_rate",
+    "mode",
+    "fair_share",
+    "tier_rates",
+    "exempt_tiers",
+    "team_rates",
+    "user_rates",
+    "memberships",
+    "exempt_users",
+    "team_members",
+    "user_weights",
+    "tier_weights",
+    "team_weights",
+)
+#: The document's top-level key -> the piece that fills it (tiers: two).
+_PIECE_OF_KEY: Final = {
+    DEFAULT_RATE_KEY: "default_rate",
+    MODE_KEY: "mode",
+    FAIR_SHARE_KEY: "fair_share",
+    GROUP_KEYS["team"]: "team_rates",
+    USERS_KEY: "user_rates",
+    MEMBERSHIPS_KEY: "memberships",
+    EXEMPT_USERS_KEY: "exempt_users",
+    TEAM_MEMBERS_KEY: "team_members",
+}
+
+
+def tree_of(pieces: Mapping[str, Any]) -> dict[str, Any]:
+    """The policy document the pieces say; a piece that is ``None`` or empty
+    says nothing. ``PolicyError`` (at the piece's name) for a piece of the
+    wrong shape."""
+    tree: dict[str, Any] = {}
+    if pieces.get("default_rate") is not None:
+        tree[DEFAULT_RATE_KEY] = pieces["default_rate"]
+    if pieces.get("mode") is not None:
+        tree[MODE_KEY] = getattr(pieces["mode"], "value", pieces["mode"])
+    if pieces.get("fair_share") not in (None, False):
+        tree[FAIR_SHARE_KEY] = pieces["fair_share"]
+    tiers: dict[str, dict[str, Any]] = {
+        tier: {RATE_KEY: rate} for tier, rate in _object(pieces, "tier_rates").items()
+    }
+    for index, tier in enumerate(_list(pieces, "exempt_tiers")):
+        tier = check_id(tier, "tier", ("exempt_tiers", index))
+        tiers.setdefault(tier, {})["exempt"] = True
+    teams = {
+        team: {RATE_KEY: rate} for team, rate in _object(pieces, "team_rates").items()
+    }
+    for key, value in (
+        (GROUP_KEYS["tier"], tiers),
+        (GROUP_KEYS["team"], teams),
+        (USERS_KEY, _object(pieces, "user_rates")),
+        (MEMBERSHIPS_KEY, _object(pieces, "memberships")),
+        (TEAM_MEMBERS_KEY, _object(pieces, "team_members")),
+        (EXEMPT_USERS_KEY, _list(pieces, "exempt_users")),
+    ):
+        if value:
+            tree[key] = value
+    weights = {
+        WEIGHT_KEYS[holder]: part
+        for holder in WEIGHT_KEYS
+        if (part := _object(pieces, f"{holder}_weights"))
+    }
+    if weights:
+        tree[WEIGHTS_KEY] = weights
+    return tree
+
+
+def piece_of(error: PolicyError, pieces: Mapping[str, Any]) -> str:
+    """The piece of ``pieces`` that ``error`` (of ``tree_of(pieces)``) is about."""
+    parts = error.parts
+    if isinstance(parts, str) or not parts:
+        return parts if isinstance(parts, str) and parts in PIECES else ""
+    top = parts[0]
+    if top in PIECES:
+        return str(top)
+    if top == GROUP_KEYS["tier"]:
+        in_rates = len(parts) > 1 and parts[1] in (pieces.get("tier_rates") or {})
+        return "tier_rates" if in_rates or len(parts) == 1 else "exempt_tiers"
+    if top == WEIGHTS_KEY:
+        holder = next((h for h, k in WEIGHT_KEYS.items() if parts[1:2] == (k,)), "user")
+        return f"{holder}_weights"
+    return _PIECE_OF_KEY.get(str(top), "")
+
+
+def _object(pieces: Mapping[str, Any], name: str) -> dict[Any, Any]:
+    value = pieces.get(name)
+    return {} if value is None else dict(check_object(value, "", (name,)))
+
+
+def _list(pieces: Mapping[str, Any], name: str) -> list[Any]:
+    value = pieces.get(name)
+    if value is None:
+        return []
+    if isinstance(value, set | frozenset | tuple):
+        value = sorted(value) if all(isinstance(v, str) for v in value) else list(value)
+    return check_list(value, "ids", (name,))

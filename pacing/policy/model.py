@@ -1,0 +1,211 @@
+"""The operator's policy as one frozen value: the mode, the fair-share switch, a
+default, users and groups, every rate holder carrying the same ``Limits``.
+
+A *group* is a named rate holder with members; its *kind* says what the rate
+means: a ``tier``'s rate is each member's (``pacing.limits``), a ``team``'s is
+shared by its members (``pacing.teams``). A user is a member of at most one
+group of each kind. Which attributes each holder may set is ``ATTRIBUTES``;
+an attribute added to ``Limits`` and listed there is valid for that holder
+everywhere (the document, the runtime tables) at once.
+
+The value is checked by ``pacing.policy.document``; the runtime tables are
+built from it here (``limit_table``, ``team_table``, ``share_policy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Final, Literal
+
+from pacing.fair_share_policy import SharePolicy
+from pacing.limits import LimitTable
+from pacing.modes import Mode
+from pacing.teams import TeamTable
+
+GroupKind = Literal["tier", "team"]
+#: The kinds of group, in the order documents list them.
+KINDS: Final[tuple[GroupKind, ...]] = ("tier", "team")
+#: The document's key of each kind's groups.
+GROUP_KEYS: Final[Mapping[GroupKind, str]] = {"tier": "tiers", "team": "teams"}
+
+#: Holder -> the ``Limits`` attributes it may set.
+ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
+    "default": ("tokens_per_second",),
+    "user": ("tokens_per_second", "exempt", "weight"),
+    "tier": ("tokens_per_second", "exempt", "weight"),
+    "team": ("tokens_per_second", "weight"),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a rate holder is given: its output rate in tokens per second
+    (``None``: none of its own), whether it is exempt (unlimited, the rate kept
+    for when the exemption is lifted), its fair-share weight (``None``: none of
+    its own)."""
+
+    tokens_per_second: int | None = None
+    exempt: bool = False
+    weight: float | None = None
+
+    def __bool__(self) -> bool:
+        return self != _NO_LIMITS
+
+    def set_attributes(self) -> tuple[str, ...]:
+        """The names of the attributes that differ from their default."""
+        return tuple(
+            item.name
+            for item in fields(self)
+            if getattr(self, item.name) != getattr(_NO_LIMITS, item.name)
+        )
+
+
+_NO_LIMITS: Final = Limits()
+
+
+@dataclass(frozen=True)
+class User:
+    """A user's own limits and the group it is a member of, per kind."""
+
+    limits: Limits = _NO_LIMITS
+    groups: Mapping[GroupKind, str] = field(default_factory=dict)
+
+    def group(self, kind: GroupKind) -> str | None:
+        return self.groups.get(kind)
+
+
+def _no_groups() -> Mapping[GroupKind, Mapping[str, Limits]]:
+    return {kind: {} for kind in KINDS}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The operator's policy. ``mode`` and ``fair_share`` are ``None`` where the
+    policy does not say (the flags' or the engine's then hold); a ``default``
+    without a rate gives none."""
+
+    mode: Mode | None = None
+    fair_share: bool | None = None
+    default: Limits = _NO_LIMITS
+    groups: Mapping[GroupKind, Mapping[str, Limits]] = field(default_factory=_no_groups)
+    users: Mapping[str, User] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Every kind present, so that readers index without a default.
+        object.__setattr__(
+            self,
+            "groups",
+            {kind: dict(self.groups.get(kind, {})) for kind in KINDS},
+        )
+        object.__setattr__(self, "users", dict(self.users))
+
+    @property
+    def default_rate(self) -> int | None:
+        return self.default.tokens_per_second
+
+    def members(self, kind: GroupKind) -> dict[str, str]:
+        """User -> the group of ``kind`` it is a member of."""
+        return {
+            user: group
+            for user, entry in self.users.items()
+            if (group := entry.groups.get(kind)) is not None
+        }
+
+    # -- the runtime tables --------------------------------------------------
+
+    def limit_table(self) -> LimitTable:
+        """The users' own limits, the tiers, memberships and exemptions."""
+        tiers = self.groups["tier"]
+        return LimitTable(
+            {
+                user: rate
+                for user, entry in self.users.items()
+                if (rate := entry.limits.tokens_per_second) is not None
+            },
+            {
+                tier: limits.tokens_per_second
+                for tier, limits in tiers.items()
+                if limits.tokens_per_second is not None
+            },
+            self.members("tier"),
+            [user for user, entry in self.users.items() if entry.limits.exempt],
+            [tier for tier, limits in tiers.items() if limits.exempt],
+        )
+
+    def team_table(self) -> TeamTable:
+        """The teams' rates and members."""
+        return TeamTable(
+            {
+                team: limits.tokens_per_second
+                for team, limits in self.groups["team"].items()
+                if limits.tokens_per_second is not None
+            },
+            self.members("team"),
+        )
+
+    def share_policy(self, enabled: bool = False) -> SharePolicy:
+        """The fair-share switch (the policy's, else ``enabled``) and the
+        weights of users, tiers and teams."""
+        return SharePolicy(
+            enabled if self.fair_share is None else self.fair_share,
+            _weights({user: entry.limits for user, entry in self.users.items()}),
+            _weights(self.groups["tier"]),
+            _weights(self.groups["team"]),
+        )
+
+
+def _weights(holders: Mapping[str, Limits]) -> dict[str, float]:
+    return {
+        name: limits.weight
+        for name, limits in holders.items()
+        if limits.weight is not None
+    }
+
+
+def policy_of(
+    *,
+    default_rate: int | None,
+    table: LimitTable,
+    teams: TeamTable,
+    share: SharePolicy,
+    mode: Mode | None = None,
+    fair_share: bool | None = None,
+) -> Policy:
+    """The policy the runtime tables hold (the inverse of ``limit_table``,
+    ``team_table`` and ``share_policy``)."""
+    tier_rates, exempt_tiers = table.tier_rates, table.exempt_tiers
+    tiers = {
+        tier: Limits(tier_rates.get(tier), tier in exempt_tiers, share.tiers.get(tier))
+        for tier in table.tiers
+    }
+    team_rates = teams.rates
+    groups: dict[GroupKind, dict[str, Limits]] = {
+        "tier": tiers,
+        "team": {
+            team: Limits(rate, weight=share.teams.get(team))
+            for team, rate in team_rates.items()
+        },
+    }
+    rates, exempt = table.user_rates, table.exempt_users
+    tier_of, team_of = table.memberships, teams.memberships
+    users: dict[str, User] = {}
+    for user in (*rates, *exempt, *share.users, *tier_of, *team_of):
+        if user in users:
+            continue
+        memberships: dict[GroupKind, str] = {}
+        if (tier := tier_of.get(user)) is not None:
+            memberships["tier"] = tier
+        if (team := team_of.get(user)) is not None:
+            memberships["team"] = team
+        users[user] = User(
+            Limits(rates.get(user), user in exempt, share.users.get(user)),
+            memberships,
+        )
+    return Policy(
+        mode=mode,
+        fair_share=fair_share,
+        default=Limits(default_rate),
+        groups=groups,
+        users=users,
+    )
