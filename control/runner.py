@@ -13,6 +13,7 @@ through the facade.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from control.persistence import (
 )
 from control.server import ControlServer, create_server
 from control.service.operations import LimitsService
-from control.table import TableDocument
+from control.table import TableDocument, table_in_force
 from pacing import global_limits
 from pacing.modes import Mode
 from pacing.settings.flags import ADDRESS_FLAG
@@ -152,23 +153,8 @@ def serve(
 def _flags_table(shared: SharedLimiter, mode: Mode | None) -> TableDocument:
     """The table ``shared`` holds (the flags'), with ``mode`` (else its own)."""
     with shared.lock:
-        ledger = shared.fair_share
-        teams = shared.teams.table
-        return TableDocument(
-            default_rate=shared.limiter.default_rate,
-            user_rates=shared.limiter.user_rates,
-            tier_rates=shared.limiter.tier_rates,
-            exempt_tiers=shared.limiter.exempt_tiers,
-            memberships=shared.limiter.memberships,
-            exempt_users=shared.limiter.exempt_users,
-            mode=shared.mode if mode is None else mode,
-            user_weights=dict(ledger.weights.users),
-            tier_weights=dict(ledger.weights.tiers),
-            fair_share=ledger.enabled,
-            team_rates=teams.rates,
-            team_members=teams.memberships,
-            team_weights=dict(ledger.weights.teams),
-        )
+        table = table_in_force(shared)
+    return table if mode is None else dataclasses.replace(table, mode=mode)
 
 
 def _keep_durably(

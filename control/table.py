@@ -23,6 +23,7 @@ from pacing.policy.errors import PolicyError
 from pacing.policy.errors import shown as shown
 from pacing.policy.model import Policy, policy_of
 from pacing.policy.text import Format as Format
+from pacing.shared import SharedLimiter
 from pacing.table_caps import MAX_EXPLICIT_LIMITS as MAX_EXPLICIT_LIMITS
 from pacing.table_caps import MAX_TIERS as MAX_TIERS
 from pacing.teams import TeamTable
@@ -154,6 +155,27 @@ class TableDocument:
             mode=self.mode,
             fair_share=self.fair_share,
         )
+
+
+def table_in_force(shared: SharedLimiter) -> TableDocument:
+    """The table, mode and fair-share switch ``shared`` holds, as a document of
+    copies (default None while pacing is off). Requires ``shared.lock``."""
+    limiter, ledger, teams = shared.limiter, shared.fair_share, shared.teams.table
+    return TableDocument(
+        default_rate=limiter.default_rate,
+        user_rates=limiter.user_rates,
+        tier_rates=limiter.tier_rates,
+        exempt_tiers=limiter.exempt_tiers,
+        memberships=limiter.memberships,
+        exempt_users=limiter.exempt_users,
+        mode=shared.mode,
+        user_weights=dict(ledger.weights.users),
+        tier_weights=dict(ledger.weights.tiers),
+        fair_share=ledger.enabled,
+        team_rates=teams.rates,
+        team_members=teams.memberships,
+        team_weights=dict(ledger.weights.teams),
+    )
 
 
 def check_user(value: object, *, field: str) -> str:

@@ -30,9 +30,9 @@ USAGE_ERRORS = {
     "missing-user": (["get"], "the following arguments are required: user"),
     "huge-rate": (["set", "huge", "99999999999999999999"], RATE_RANGE),
     "huge-negative-rate": (["set", "a", "-99999999999999999999"], RATE_RANGE),
-    "rate-above-max": (["set", "alice", "1000001"], f"{RATE_RANGE} '1000001'"),
-    "zero-rate": (["set", "alice", "0"], f"{RATE_RANGE} '0'"),
-    "negative-rate": (["set", "alice", "-3"], f"{RATE_RANGE} '-3'"),
+    "rate-above-max": (["set", "alice", "1000001"], f"{RATE_RANGE} 1000001"),
+    "zero-rate": (["set", "alice", "0"], f"{RATE_RANGE} 0"),
+    "negative-rate": (["set", "alice", "-3"], f"{RATE_RANGE} -3"),
     "fractional-rate": (["set", "alice", "1.5"], f"{RATE_RANGE} '1.5'"),
     "5000-digit-rate": (["set", "alice", "9" * 5000], f"{RATE_RANGE} '999"),
     "huge-default": (["set-default", "99999999999999999999"], RATE_RANGE),
@@ -91,7 +91,7 @@ USAGE_ERRORS = {
         ["assign", "alice", "a\x01"],
         "argument tier: the tier id must not contain control characters",
     ),
-    "zero-tier-rate": (["create-tier", "free", "0"], f"{RATE_RANGE} '0'"),
+    "zero-tier-rate": (["create-tier", "free", "0"], f"{RATE_RANGE} 0"),
     "tier-without-rule": (
         ["create-tier", "free"],
         "create-tier needs a RATE, --exempt or both",
@@ -101,14 +101,14 @@ USAGE_ERRORS = {
         "update-tier needs --rate, --no-rate, --exempt, --no-exempt, --weight or "
         "--no-weight",
     ),
-    "zero-weight": (["set-weight", "alice", "0"], f"{WEIGHT_RANGE} '0'"),
-    "negative-weight": (["set-weight", "alice", "-2"], f"{WEIGHT_RANGE} '-2'"),
-    "nan-weight": (["set-weight", "alice", "nan"], f"{WEIGHT_RANGE} 'nan'"),
-    "huge-weight": (["set-weight", "alice", "1e7"], f"{WEIGHT_RANGE} '1e7'"),
+    "zero-weight": (["set-weight", "alice", "0"], f"{WEIGHT_RANGE} 0.0"),
+    "negative-weight": (["set-weight", "alice", "-2"], f"{WEIGHT_RANGE} -2.0"),
+    "nan-weight": (["set-weight", "alice", "nan"], f"{WEIGHT_RANGE} nan"),
+    "huge-weight": (["set-weight", "alice", "1e7"], f"{WEIGHT_RANGE} 10000000.0"),
     "text-weight": (["set-weight", "alice", "heavy"], f"{WEIGHT_RANGE} 'heavy'"),
     "zero-tier-weight": (
         ["create-tier", "free", "5", "--weight", "0"],
-        f"argument --weight: {WEIGHT_RANGE} '0'",
+        f"argument --weight: {WEIGHT_RANGE} 0.0",
     ),
     "weight-and-no-weight": (
         ["update-tier", "free", "--weight", "3", "--no-weight"],
@@ -175,6 +175,6 @@ def test_the_console_script_refuses_a_huge_rate_with_one_line():
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines() == [
         "output-rate-ctl set: error: argument rate: must be an integer in "
-        "1..1000000 (tokens per second), got '99999999999999999999' "
+        "1..1000000 (tokens per second), got 99999999999999999999 "
         "(see output-rate-ctl set --help)"
     ]

@@ -91,26 +91,26 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
 def _rate(raw: str) -> int:
     """A rate, in the words of the rule (``pacing.limits.validate_rate``)."""
     try:
-        return validate_rate(int(raw))
-    except ValueError:  # PolicyError, or no whole number (or over 4300 digits)
-        try:
-            validate_rate(raw)  # a str: fails, showing what was typed
-        except PolicyError as error:
-            raise argparse.ArgumentTypeError(error.message) from None
-        raise
+        value: int | str = int(raw)
+    except ValueError:  # no whole number (or over 4300 digits): shown as typed
+        value = raw
+    try:
+        return validate_rate(value)
+    except PolicyError as error:
+        raise argparse.ArgumentTypeError(error.message) from None
 
 
 def _weight(raw: str) -> float:
     """A fair-share weight, in the words of the rule
     (``pacing.fair_share.validate_weight``)."""
     try:
-        return validate_weight(float(raw))
-    except ValueError:  # PolicyError, or no number
-        try:
-            validate_weight(raw)  # a str: fails, showing what was typed
-        except PolicyError as error:
-            raise argparse.ArgumentTypeError(error.message) from None
-        raise
+        value: float | str = float(raw)
+    except ValueError:  # no number: shown as typed
+        value = raw
+    try:
+        return validate_weight(value)
+    except PolicyError as error:
+        raise argparse.ArgumentTypeError(error.message) from None
 
 
 def _user(raw: str) -> str:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 from control.errors import Aborted, FailedPrecondition, Unavailable
 from control.resources import Etags
-from control.table import TableDocument
+from control.table import TableDocument, table_in_force
 from pacing import global_limits
 from pacing.fair_share_policy import apply_policy
 from pacing.limiter import OutputRateLimiter
@@ -104,24 +104,7 @@ class TableCommits:
     def current_locked(self) -> TableDocument:
         """The table, mode and fair-share policy in force, as a document of
         copies (default None while pacing is off). Requires shared.lock."""
-        limiter = self.shared.limiter
-        ledger = self.shared.fair_share
-        teams = self.shared.teams.table
-        return TableDocument(
-            default_rate=limiter.default_rate,
-            user_rates=limiter.user_rates,
-            tier_rates=limiter.tier_rates,
-            exempt_tiers=limiter.exempt_tiers,
-            memberships=limiter.memberships,
-            exempt_users=limiter.exempt_users,
-            mode=self.shared.mode,
-            user_weights=dict(ledger.weights.users),
-            tier_weights=dict(ledger.weights.tiers),
-            fair_share=ledger.enabled,
-            team_rates=teams.rates,
-            team_members=teams.memberships,
-            team_weights=dict(ledger.weights.teams),
-        )
+        return table_in_force(self.shared)
 
     def commit(
         self,

@@ -52,10 +52,12 @@ from pacing.policy.model import (
     ATTRIBUTES,
     GROUP_KEYS,
     KINDS,
+    RULES,
     GroupKind,
     Limits,
     Policy,
     User,
+    validate_flag,
 )
 from pacing.table_caps import MAX_EXPLICIT_LIMITS, MAX_TIERS
 
@@ -208,12 +210,6 @@ def check_id(value: object, kind: str, path: Sequence[PathPart]) -> str:
         raise PolicyError(str(error), path) from None
 
 
-def check_flag(value: object, path: Sequence[PathPart]) -> bool:
-    if not isinstance(value, bool):
-        raise PolicyError(f"must be true or false, got {shown(value)}", path)
-    return value
-
-
 def check_mode(value: object, path: Sequence[PathPart]) -> Mode:
     """A pacing mode by name (``false``: off, as YAML 1.1 reads ``off``)."""
     if value is False:
@@ -280,7 +276,7 @@ class _Reader:
         if doc.get(MODE_KEY) is not None:
             mode = check_mode(doc[MODE_KEY], (MODE_KEY,))
         if doc.get(FAIR_SHARE_KEY) is not None:
-            fair_share = check_flag(doc[FAIR_SHARE_KEY], (FAIR_SHARE_KEY,))
+            fair_share = validate_flag(doc[FAIR_SHARE_KEY], field=(FAIR_SHARE_KEY,))
         self._read_default(doc)
         groups = {kind: self._read_groups(doc, kind) for kind in KINDS}
         self._read_users(doc)
@@ -333,17 +329,10 @@ class _Reader:
     ) -> None:
         """The ``Limits`` attributes of ``spec`` that ``holder`` may set."""
         for attribute in ATTRIBUTES[holder]:
-            if attribute not in spec:
-                continue
-            where = (*path, attribute)
-            value = spec[attribute]
-            if attribute == RATE_KEY:
-                value = validate_rate(value, field=where)
-            elif attribute == "exempt":
-                value = check_flag(value, where)
-            else:
-                value = validate_weight(value, field=where)
-            self._set(holder, name, attribute, value, where)
+            if attribute in spec:
+                where = (*path, attribute)
+                value = RULES[attribute](spec[attribute], field=where)
+                self._set(holder, name, attribute, value, where)
 
     def _read_default(self, doc: Mapping[Any, Any]) -> None:
         if doc.get(DEFAULT_KEY) is not None:

@@ -14,13 +14,15 @@ built from it here (``limit_table``, ``team_table``, ``share_policy``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Final, Literal
 
+from pacing.fair_share import validate_weight
 from pacing.fair_share_policy import SharePolicy
-from pacing.limits import LimitTable
+from pacing.limits import LimitTable, validate_rate
 from pacing.modes import Mode
+from pacing.policy.errors import PathPart, PolicyError, shown
 from pacing.teams import TeamTable
 
 GroupKind = Literal["tier", "team"]
@@ -29,6 +31,22 @@ KINDS: Final[tuple[GroupKind, ...]] = ("tier", "team")
 #: The document's key of each kind's groups.
 GROUP_KEYS: Final[Mapping[GroupKind, str]] = {"tier": "tiers", "team": "teams"}
 
+
+def validate_flag(value: object, *, field: str | Sequence[PathPart]) -> bool:
+    """``value`` if it is a boolean."""
+    if not isinstance(value, bool):
+        raise PolicyError(f"must be true or false, got {shown(value)}", field)
+    return value
+
+
+#: Each ``Limits`` attribute -> the one rule its value follows (raises
+#: ``PolicyError`` at ``field``): a new attribute is declared here and in
+#: ``Limits``, and is then read, checked and written wherever a policy is.
+RULES: Final[Mapping[str, Callable[..., object]]] = {
+    "tokens_per_second": validate_rate,
+    "exempt": validate_flag,
+    "weight": validate_weight,
+}
 #: Holder -> the ``Limits`` attributes it may set.
 ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
     "default": ("tokens_per_second",),
