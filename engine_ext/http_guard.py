@@ -103,7 +103,7 @@ _RESPONSES = BodyShape(_XARGS, beam_search=False, openai_user=True)
 _AUDIO = BodyShape(_XARGS, beam_search=True, openai_user=False, form=True)
 
 #: Every vLLM 0.32 endpoint whose body can carry a user id (checked against
-#: vLLM's own routes by tests/test_http_guard.py), and its body's shape.
+#: vLLM's own routes by tests/scheduling/test_http_guard.py), and its body's shape.
 GUARDED_PATHS: Mapping[str, BodyShape] = MappingProxyType(
     {
         "/v1/completions": _OPENAI,

@@ -17,7 +17,7 @@ logger (``engine_ext.metrics``) removes it again before vLLM's own loggers look 
 the field, leaving a connector's stats as the connector made them: vLLM's logging
 stat logger crashes on a non-empty ``kv_connector_stats`` when no connector is
 configured, and with one it hands the whole field to the connector's
-``build_kv_connector_stats`` (tests/test_e2e_pd_disaggregation.py runs a connector
+``build_kv_connector_stats`` (tests/e2e/test_e2e_pd_disaggregation.py runs a connector
 that reports stats and refuses any key but its own).
 
 Semantics: counters are *deltas* since the previous payload, exactly like vLLM's own

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pacing.identity import validate_user
-from pacing.policy.errors import PathPart, PolicyError, shown
+from pacing.policy.errors import PathPart, PolicyError, shown, unknown_group
 
 #: Rates above this are rejected as misconfiguration (no engine samples this fast
 #: for one user, and a typo like an extra few zeros should fail loudly).
@@ -124,10 +124,7 @@ class LimitTable:
         for user, tier in memberships.items():
             validate_tier(tier)
             if tier not in tier_rates and tier not in exempt_tiers:
-                raise ValueError(
-                    f"user {user!r} is a member of tier {tier!r}, which has "
-                    "neither a rate nor an exemption"
-                )
+                raise unknown_group("tier", tier, ("memberships", user))
         self._user_rates = user_rates
         self._tier_rates = tier_rates
         self._tier_of = memberships
@@ -232,10 +229,7 @@ class LimitTable:
         if tier is not None:
             validate_tier(tier)
             if tier not in self._tier_rates and tier not in self._exempt_tiers:
-                raise ValueError(
-                    f"tier {tier!r} does not exist (give it a rate or an "
-                    "exemption first)"
-                )
+                raise unknown_group("tier", tier, ("memberships", user))
         previous = self._tier_of.pop(user, None)
         if previous is not None:
             members = self._members[previous]

@@ -28,7 +28,7 @@ Vocabulary:
   virtual time of the members already in it: service missed while idle is not
   owed back.
 
-Guarantee (measured in ``tests/test_scheduler_teams.py``): after every team
+Guarantee (measured in ``tests/scheduling/test_scheduler_teams.py``): after every team
 grant, two members that both asked for more than they were given differ in
 virtual time by at most ``max(1/w_i, 1/w_j)`` (each token went to a smallest
 finish tag). Between grants, tokens granted and not dispatched are refunded,
@@ -56,6 +56,7 @@ from pacing.budget import BudgetSource
 from pacing.identity import validate_user
 from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE, OutputRateLimiter
 from pacing.limits import validate_rate
+from pacing.policy.errors import unknown_group
 
 #: A member's weight inside its team when it has none (``pacing.fair_share``).
 DEFAULT_MEMBER_WEIGHT = 1.0
@@ -89,9 +90,7 @@ class TeamTable:
         for user, team in memberships.items():
             validate_user(user, field="member name")
             if team not in rates:
-                raise ValueError(
-                    f"user {user!r} is a member of team {team!r}, which has no rate"
-                )
+                raise unknown_group("team", team, ("team_members", user))
         self._rates = rates
         self._team_of = memberships
         self._members: dict[str, set[str]] = {}
@@ -143,7 +142,7 @@ class TeamTable:
         """Moves ``user`` into ``team`` (``None``: out of any team); ValueError
         for a team that does not exist."""
         if team is not None and team not in self._rates:
-            raise ValueError(f"team {team!r} does not exist (give it a rate first)")
+            raise unknown_group("team", team, ("team_members", user))
         previous = self._team_of.pop(user, None)
         if previous is not None:
             members = self._members[previous]
@@ -264,7 +263,7 @@ class Teams:
         never defined must not lift a cap, and one user's live requests are
         charged to one team at a time."""
         if self.table.rate_of(team) is None:
-            return f"its gateway named team {team!r}, which does not exist"
+            return f"its gateway named an {unknown_group('team', team, ()).message}"
         named, live = self.gateway_teams.get(user, (team, 0))
         if named != team:
             return (

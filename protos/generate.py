@@ -3,7 +3,7 @@
 Run from anywhere: ``python protos/generate.py``. The generated modules are
 committed so that installs need no code generation; rerun this after editing a
 ``.proto`` and commit the result. Use the grpcio-tools version pinned in
-``pyproject.toml`` (dev extras): ``tests/test_protos.py`` regenerates the code
+``pyproject.toml`` (dev extras): ``tests/project/test_protos.py`` regenerates the code
 with it and fails when the result differs from what is committed.
 """
 

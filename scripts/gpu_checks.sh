@@ -16,8 +16,8 @@ out=${OUT:-/tmp/output-rate-gpu}
 mkdir -p "$out"
 # Scheduler rules on the real Scheduler / AsyncScheduler of the GPU wheel's vLLM:
 # the thin class, each concern module, and what upstream.py relies on.
-"$VENV/bin/python" -m pytest -q tests/test_scheduler*.py tests/test_scheduling_*.py \
-  tests/test_limiter.py
+"$VENV/bin/python" -m pytest -q tests/scheduling/test_scheduler*.py \
+  tests/scheduling/test_scheduling_*.py tests/core/test_limiter.py
 for mode in async sync; do
   flag=--async-scheduling; [[ $mode == sync ]] && flag=--no-async-scheduling
   "$VENV/bin/python" -m benchmarks.compare_stock "$flag" \
@@ -28,7 +28,7 @@ done
 # Speculative decoding with async scheduling (vLLM runs draft-model drafting
 # async on GPUs only): pacing end to end, and paced untriggered vs stock.
 # Compiled, as served on GPUs (the suite's servers otherwise run eager).
-OUTPUT_RATE_EAGER_SERVERS=0 "$VENV/bin/python" -m pytest -q tests/test_e2e_spec_decode.py
+OUTPUT_RATE_EAGER_SERVERS=0 "$VENV/bin/python" -m pytest -q tests/e2e/test_e2e_spec_decode.py
 "$VENV/bin/python" -m benchmarks.compare_stock --async-scheduling --only throughput \
   --speculative draft_model --throughput-runs 5 --json "$out/compare-spec.json" \
   | tee "$out/compare-spec.txt"

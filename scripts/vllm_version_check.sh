@@ -47,4 +47,5 @@ fi
 "${pip[@]}" -e ".[dev]"
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_scheduler*.py tests/test_scheduling_*.py tests/test_claims_scheduler.py
+  tests/scheduling/test_scheduler*.py tests/scheduling/test_scheduling_*.py \
+  tests/store/test_claims_scheduler.py

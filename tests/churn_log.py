@@ -1,4 +1,4 @@
-"""Bookkeeping of the churn proof (``tests/test_e2e_churn.py``): the change log,
+"""Bookkeeping of the churn proof (``tests/e2e/test_e2e_churn.py``): the change log,
 the limit state each logged change leaves every user in, and each measured
 interval's GCRA bound. Pure: no gRPC, no clock; the derivation of the bound is
 in the test's docstring.

@@ -1,10 +1,11 @@
-"""The fixtures of the ``output-rate-ctl`` tests (tests/test_control_cli*.py): a
-rig (default 10 tokens/s, alice 5, bob 20), a real in-process server in front of
-it that wants a token, and ``ctl``, which runs the CLI against that server.
+"""The fixtures of the ``output-rate-ctl`` tests (tests/control/test_control_cli*.py):
+a rig (default 10 tokens/s, alice 5, bob 20), a real in-process server in front
+of it that wants a token, and ``ctl``, which runs the CLI against that server.
 
 Invariant: ``ctl`` runs ``control.cli.main`` in-process with ``--address`` and
 the token set, and returns the exit status with exactly what the command printed.
-A test module registers the fixtures by naming them (``rig = cli_harness.rig``).
+A folder's conftest.py (tests/control/conftest.py) or a test module registers
+the fixtures by naming them (``rig = cli_harness.rig``).
 """
 
 from __future__ import annotations

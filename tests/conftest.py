@@ -45,7 +45,7 @@ SERVER_LIMITS = {
 SERVER_TIERS = {"e2e-tier": 500}
 TIER_MEMBER = "user-tiered"
 SERVER_TIER_MEMBERS = {TIER_MEMBER: "e2e-tier"}
-#: The shared server's teams (tests/test_e2e_teams.py): two teams of 60 tok/s
+#: The shared server's teams (tests/e2e/test_e2e_teams.py): two teams of 60 tok/s
 #: with three members each; ``capped-a`` has a cap of its own below its part.
 SERVER_TEAMS = {"e2e-acme": 60, "e2e-capped": 60}
 SERVER_TEAM_MEMBERS = {

@@ -1,5 +1,5 @@
 """A pure-Python stand-in for ``kustomize build``, for the tests only (nothing
-that ships imports it): ``tests/test_kubernetes_manifests.py`` uses it where
+that ships imports it): ``tests/project/test_kubernetes_manifests.py`` uses it where
 neither kustomize nor kubectl is on PATH, and checks it against the real one
 where one is.
 

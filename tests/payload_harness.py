@@ -1,4 +1,4 @@
-"""Helpers for the metrics payload's tests (``tests/test_payload_*.py``): a
+"""Helpers for the metrics payload's tests (``tests/scheduling/test_payload_*.py``): a
 payload built the way the scheduler builds it, after the JSON round trip a
 msgpack trip resembles."""
 

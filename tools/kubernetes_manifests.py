@@ -4,7 +4,7 @@ group for group as in their files) and the Grafana dashboard's ConfigMap (the
 dashboard's JSON text as is, labelled for Grafana's dashboard sidecar).
 
 kustomize cannot read files outside a kustomization's folder, so these are
-generated rather than pointed at; ``tests/test_kubernetes_manifests.py`` fails
+generated rather than pointed at; ``tests/project/test_kubernetes_manifests.py`` fails
 when they differ from what this module makes now.
 
     python -m tools.kubernetes_manifests          # rewrite both files

@@ -20,8 +20,8 @@ twice:
 The output is deterministic: the order is the code's (a parser's, a ``.proto``
 file's, a table's) or sorted, and nothing depends on the machine (a default
 holding a path of this machine would be shown with a placeholder, and the page
-says so). ``tests/test_reference_docs.py`` fails when a committed page differs
-from what this module generates now.
+says so). ``tests/project/test_reference_docs.py`` fails when a committed page
+differs from what this module generates now.
 """
 
 from __future__ import annotations

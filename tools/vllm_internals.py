@@ -7,8 +7,8 @@ and ``Request`` fields ``engine_ext/scheduling/upstream.py`` reaches, the method
 the config fields ``engine_ext/supported.py`` reads. Each row states the form
 0.32.0 has (a method's signature, an attribute's kind) and, where a hook depends
 on how upstream uses the internal, where 0.32.0 uses it (``Uses``).
-``tests/test_vllm_drift.py`` checks this list against the installed vLLM 0.32.0
-and against what our code names.
+``tests/scheduling/test_vllm_drift.py`` checks this list against the installed
+vLLM 0.32.0 and against what our code names.
 """
 
 from __future__ import annotations

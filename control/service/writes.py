@@ -66,7 +66,7 @@ from control.table import (
 )
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
-from pacing.policy.document import unknown_group
+from pacing.policy.errors import unknown_group
 from pacing.teams import Teams
 
 

@@ -47,7 +47,13 @@ from pacing.global_limits import LimitsVersion
 from pacing.identity import validate_user
 from pacing.limits import validate_rate
 from pacing.modes import Mode
-from pacing.policy.errors import PathPart, PolicyError, render_path, shown
+from pacing.policy.errors import (
+    PathPart,
+    PolicyError,
+    render_path,
+    shown,
+    unknown_group,
+)
 from pacing.policy.model import (
     ATTRIBUTES,
     GROUP_KEYS,
@@ -219,13 +225,6 @@ def check_mode(value: object, path: Sequence[PathPart]) -> Mode:
             return mode
     choices = ", ".join(mode.value for mode in Mode)
     raise PolicyError(f"must be one of {choices}, got {shown(value)}", path)
-
-
-def unknown_group(
-    kind: GroupKind, name: object, path: Sequence[PathPart]
-) -> PolicyError:
-    """The one error of a membership or a weight of a group that does not exist."""
-    return PolicyError(f"unknown {kind} {shown(name)}", path)
 
 
 def check_keys(

@@ -66,3 +66,10 @@ class PolicyError(ValueError):
     def at(self, source: str) -> PolicyError:
         """The same error, said of ``source`` (a file name, a flag)."""
         return PolicyError(self.message, self.parts, source=source)
+
+
+def unknown_group(
+    kind: str, name: object, path: Sequence[PathPart] | str
+) -> PolicyError:
+    """The one error of a membership or a weight of a group that does not exist."""
+    return PolicyError(f"unknown {kind} {shown(name)}", path)

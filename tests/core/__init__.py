@@ -1,0 +1,1 @@
+"""Tests of the pure core (``pacing/``): the limiter, the policy, the settings."""

@@ -1,0 +1,338 @@
+"""The limits table in the store (``store.limits_table``): the document's
+encoding and its checks, and the versioned, published writes, on ``fakeredis``
+and on a real ``redis-server``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pacing.fair_share_policy import SharePolicy
+from pacing.global_limits import LimitsVersion
+from pacing.limits import LimitTable
+from pacing.modes import Mode
+from pacing.table_caps import MAX_EXPLICIT_LIMITS, MAX_TIERS
+from pacing.teams import TeamTable
+from store.limits_table import Limits, decode, encode
+from store.redis_store import NO_TABLE, RedisStore, StaleLimits
+from tests import store_harness
+
+client = store_harness.client_or_cluster
+
+#: The rate rule's words (pacing.limits.validate_rate).
+RATE = "must be an integer in 1..1000000 (tokens per second)"
+
+
+def full_table() -> Limits:
+    return Limits(
+        30,
+        LimitTable(
+            user_rates={"alice": 10, "ünï": 7},
+            tier_rates={"pro": 200},
+            memberships={"bob": "pro", "carol": "vip"},
+            exempt_users={"ops"},
+            exempt_tiers={"vip"},
+        ),
+    )
+
+
+def same(a: Limits, b: Limits) -> bool:
+    return encode(a) == encode(b)
+
+
+def test_a_document_decodes_to_the_table_it_encodes():
+    limits = full_table()
+    back = decode(encode(limits))
+    assert back.default_rate == 30
+    assert back.table.user_rates == {"alice": 10, "ünï": 7}
+    assert back.table.memberships == {"bob": "pro", "carol": "vip"}
+    assert back.table.exempt_users == {"ops"}
+    assert back.table.exempt_tiers == {"vip"}
+    assert back.table.overrides == limits.table.overrides
+
+
+def test_the_mode_is_part_of_the_document():
+    limits = Limits(30, LimitTable(), Mode.SHADOW)
+    assert json.loads(encode(limits))["mode"] == "shadow"
+    assert decode(encode(limits)).mode is Mode.SHADOW
+    assert decode(encode(Limits(30, LimitTable()))).mode is Mode.ENFORCE
+
+
+def test_the_fair_share_policy_travels_only_when_it_holds_something():
+    plain = json.loads(encode(full_table()))
+    assert "fair_share" not in plain and "weights" not in plain
+    assert decode(encode(full_table())).share == SharePolicy()
+    limits = Limits(
+        30,
+        full_table().table,
+        share=SharePolicy(True, {"alice": 2.5}, {"pro": 4.0}),
+    )
+    back = decode(encode(limits))
+    assert back.share == SharePolicy(True, {"alice": 2.5}, {"pro": 4.0})
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (
+            {"fair_share": "yes"},
+            "limits document: fair_share: must be true or false, got 'yes'",
+        ),
+        (
+            {"weights": {"groups": {}}},
+            "limits document: weights: unknown field(s) 'groups'",
+        ),
+        (
+            {"weights": {"users": []}},
+            "limits document: user_weights: must be an object, got list",
+        ),
+        (
+            {"weights": {"teams": {"nosuch": 2}}},
+            "limits document: weights.teams.nosuch: unknown team 'nosuch'",
+        ),
+        (
+            {"weights": {"users": {"alice": 0}}},
+            "limits document: weights.users.alice: must be a number in (0, 1e+06], "
+            "got 0",
+        ),
+        (
+            {"weights": {"tiers": {"gold": 2}}},
+            "limits document: weights.tiers.gold: unknown tier 'gold'",
+        ),
+        (
+            {"weights": {"users": {"a\x01": 2}}},
+            "limits document: weights.users['a\\x01']: user id must not",
+        ),
+    ],
+)
+def test_a_bad_fair_share_policy_is_refused(policy, message):
+    document = {**json.loads(encode(full_table())), **policy}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode(json.dumps(document))
+
+
+def test_teams_round_trip_and_are_left_out_when_there_are_none():
+    teams = TeamTable({"acme": 60}, {"alice": "acme"})
+    share = SharePolicy(teams={"acme": 2.0})
+    limits = Limits(10, LimitTable(), teams=teams, share=share)
+    again = decode(encode(limits))
+    assert (again.teams.rates, again.teams.memberships) == (
+        {"acme": 60},
+        {"alice": "acme"},
+    )
+    assert dict(again.share.teams) == {"acme": 2.0}
+    plain = json.loads(encode(Limits(10, LimitTable())))
+    assert "team_rates" not in plain and "team_members" not in plain
+
+
+@pytest.mark.parametrize(
+    ("teams", "message"),
+    [
+        (
+            {"team_rates": []},
+            "limits document: team_rates: must be an object, got list",
+        ),
+        (
+            {"team_rates": {"acme": 0}},
+            f"limits document: teams.acme.tokens_per_second: {RATE}, got 0",
+        ),
+        (
+            {"team_rates": {}, "team_members": {"alice": "acme"}},
+            "limits document: team_members.alice: unknown team 'acme'",
+        ),
+        (
+            {"team_rates": {"acme": 1}, "team_members": {"a\x01": "acme"}},
+            "limits document: team_members['a\\x01']: user id must not",
+        ),
+    ],
+)
+def test_a_bad_team_part_is_refused(teams, message):
+    document = {**json.loads(encode(full_table())), **teams}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode(json.dumps(document))
+
+
+def test_pacing_off_is_a_null_default():
+    assert decode(encode(Limits(None, LimitTable()))).default_rate is None
+
+
+def document(**changes: object) -> str:
+    raw = json.loads(encode(full_table()))
+    raw.update(changes)
+    return json.dumps(raw)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[", "limits document is not JSON: "),
+        ("[]", "limits document must be a JSON object"),
+        (
+            json.dumps({"default_rate": 1, "extra": 2}),
+            "limits document: missing fields ['user_rates', 'tier_rates', "
+            "'memberships', 'exempt_users', 'exempt_tiers', 'mode'], unknown "
+            "fields ['extra']",
+        ),
+        (
+            document(default_rate=0),
+            f"limits document: default_tokens_per_second: {RATE}, got 0",
+        ),
+        (
+            document(user_rates=[]),
+            "limits document: user_rates: must be an object, got list",
+        ),
+        (
+            document(exempt_users={}),
+            "limits document: exempt_users: must be a list of ids, got dict",
+        ),
+        (
+            document(user_rates={"alice": "10"}),
+            f"limits document: users.alice: {RATE}, got '10'",
+        ),
+        (
+            document(memberships={"bob": "gold"}),
+            "limits document: memberships.bob: unknown tier 'gold'",
+        ),
+        (
+            document(exempt_users=["a\u200bb"]),
+            "limits document: exempt_users[0]: user id must not contain invisible",
+        ),
+        (document(mode="loud"), "limits document: mode: must be one of enforce"),
+        (
+            document(
+                user_rates={f"u{i}": 1 for i in range(MAX_EXPLICIT_LIMITS)},
+                exempt_users=["one-too-many"],
+            ),
+            f"limits document: a policy holds at most {MAX_EXPLICIT_LIMITS} users",
+        ),
+        (
+            document(
+                user_rates={},
+                memberships={},
+                exempt_users=[],
+                weights={"users": {f"u{i}": 1 for i in range(MAX_EXPLICIT_LIMITS + 1)}},
+            ),
+            f"limits document: a policy holds at most {MAX_EXPLICIT_LIMITS} users",
+        ),
+        (
+            document(
+                tier_rates={f"t{i}": 1 for i in range(MAX_TIERS)},
+                exempt_tiers=["one-too-many"],
+            ),
+            f"limits document: tiers: a policy holds at most {MAX_TIERS} tiers",
+        ),
+        (
+            document(exempt_tiers=["a\u200bb"]),
+            "limits document: exempt_tiers[0]: tier id must not contain invisible",
+        ),
+        (
+            document(exempt_tiers=[["a"]]),
+            "limits document: exempt_tiers[0]: tier id must be a string",
+        ),
+    ],
+    ids=[
+        "not-json",
+        "not-object",
+        "fields",
+        "default",
+        "user-rates-type",
+        "exempt-type",
+        "rate-type",
+        "unknown-tier",
+        "bad-user-id",
+        "mode",
+        "too-many-users",
+        "too-many-weighted-users",
+        "too-many-tiers",
+        "bad-tier-id",
+        "unhashable-tier",
+    ],
+)
+def test_a_bad_document_is_refused_by_name(text, message):
+    with pytest.raises(ValueError) as error:
+        decode(text)
+    assert str(error.value).startswith(message)
+
+
+def test_there_is_no_table_until_one_is_written(client):
+    assert RedisStore(client).read_limits() is None
+
+
+def test_each_write_counts_on_with_a_fresh_stamp_and_is_read_back(client):
+    store = RedisStore(client)
+    first = store.write_limits(full_table(), None)
+    second = store.write_limits(Limits(5, LimitTable()), first)
+    assert (first.counter, second.counter) == (1, 2)
+    assert first.stamp != second.stamp and len(second.stamp) == 16
+    stored = store.read_limits()
+    assert stored is not None
+    version, limits = stored
+    assert version == second == store.limits_version()
+    assert same(limits, Limits(5, LimitTable()))
+
+
+def test_a_write_from_a_stale_version_is_refused_and_changes_nothing(client):
+    store = RedisStore(client)
+    first = store.write_limits(full_table(), None)
+    second = store.write_limits(full_table(), first)
+    with pytest.raises(StaleLimits) as error:
+        store.write_limits(Limits(5, LimitTable()), first)
+    assert error.value.current == second
+    stored = store.read_limits()
+    assert stored is not None
+    assert stored[0] == second
+    assert same(stored[1], full_table())
+
+
+def test_the_same_counter_with_another_stamp_is_stale(client):
+    """A store that lost its data counts again: an old version's counter comes
+    back, its stamp does not."""
+    store = RedisStore(client)
+    mine = store.write_limits(full_table(), None)
+    client.flushall()
+    theirs = store.write_limits(Limits(5, LimitTable()), None)
+    assert theirs.counter == mine.counter
+    with pytest.raises(StaleLimits):
+        store.write_limits(full_table(), mine)
+    stored = store.read_limits()
+    assert stored is not None and same(stored[1], Limits(5, LimitTable()))
+
+
+def test_no_table_expected_writes_only_where_there_is_none(client):
+    store = RedisStore(client)
+    seeded = store.write_limits(full_table(), NO_TABLE)
+    with pytest.raises(StaleLimits) as error:
+        store.write_limits(Limits(5, LimitTable()), NO_TABLE)
+    assert error.value.current == seeded
+
+
+def test_a_write_counts_past_the_counter_it_is_given(client):
+    store = RedisStore(client)
+    assert store.write_limits(full_table(), NO_TABLE, count_past=7).counter == 8
+
+
+def test_a_write_publishes_its_counter_to_every_subscriber(client):
+    writer, reader = RedisStore(client), RedisStore(client)
+    first, second = reader.subscribe_limits(), reader.subscribe_limits()
+    try:
+        version = writer.write_limits(full_table(), None)
+        for subscription in (first, second):
+            assert subscription.next_version(timeout_s=10) == version.counter
+        assert first.next_version(timeout_s=0.05) is None  # nothing more
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_refused_write_publishes_nothing(client):
+    store = RedisStore(client)
+    store.write_limits(full_table(), None)
+    subscription = store.subscribe_limits()
+    try:
+        with pytest.raises(StaleLimits):
+            store.write_limits(full_table(), LimitsVersion(7, ""))
+        assert subscription.next_version(timeout_s=0.05) is None
+    finally:
+        subscription.close()
