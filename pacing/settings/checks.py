@@ -108,16 +108,6 @@ def name_set(value: object, where: str) -> frozenset[str]:
     return frozenset(value)
 
 
-def object_entry(entry: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
-    """``entry[key]`` as a dict (absent or null: empty)."""
-    value = entry.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SettingsError(f"{where}[{key!r}] must be an object")
-    return dict(value)
-
-
 def names_entry(entry: Mapping[str, Any], key: str, where: str) -> frozenset[str]:
     """``entry[key]`` as a set of names (absent or null: empty)."""
     value = entry.get(key)
