@@ -1,130 +1,77 @@
-"""The resources the limits service returns (``Limit``, ``Tier``, ``Team``,
+"""The resources the limits service returns (``Holder`` of each kind,
 ``LimitsTable``, ``PacingMode``, ``UserState``, ``TeamState``) and takes
-(``LimitSpec``, ``TierSpec``, ``TeamSpec``), their etags, and their views of a
-``TableDocument``.
+(``HolderSpec``), their etags, and their views of a ``Policy``.
 
-A user's *entry* (``Limit``) is what the table holds for it: its own limit, its
-tier, its exemption, its fair-share weight, its team, any of them; a *tier*
-exists while it has a rate or an exemption (its weight alone does not make
-one); a *team* exists while it has a rate.
+A *holder* is one user entry, tier or team (``control.kinds``): a user's entry
+is what the policy holds for it (its own limits, its groups, any of them); a
+group exists while it has what its kind needs (``Kind.exists_with``).
 
-Invariant: the etag of an entry, a tier or the mode is a digest of its fields
-and this process's epoch only, so the same fields read twice in one process give
-the same etag, and no etag from before a restart matches. (The table's etag
-counts committed tables instead: ``control.service.commits``.)
+Invariant: the etag of a holder or the mode is a digest of its fields and this
+process's epoch only, so the same fields read twice in one process give the same
+etag, and no etag from before a restart matches. (The table's etag counts
+committed tables instead: ``control.service.commits``.)
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import cast
 
-from control import names
 from control.errors import Aborted, NotFound
-from control.table import TableDocument, shown
+from control.kinds import ALL, BY_HOLDER, Kind
+from control.table import shown
 from pacing.budget import StoreView
 from pacing.limiter import LimitSource
 from pacing.modes import Mode
+from pacing.policy.model import GroupKind, Limits, Policy
 from pacing.shared import UserSnapshot
 
-#: An entry's fields: own rate (None: none), tier (None: none), exempt, own
-#: weight (None: none), team (None: none).
-EntryFields = tuple[int | None, str | None, bool, float | None, str | None]
-#: The fields of no entry.
-NO_ENTRY: EntryFields = (None, None, False, None, None)
-
 
 @dataclass(frozen=True)
-class Limit:
-    """One user's entry: own limit (0: none), tier, exemption, own weight (0:
-    none), team."""
+class Holder:
+    """One rate holder of a kind (``control.kinds``): its limits, its groups
+    (users: one per group kind), its member count (groups), its etag."""
 
-    user: str
-    tokens_per_second: int
-    tier: str | None = None
-    exempt: bool = False
-    etag: str = ""
-    weight: float = 0.0
-    team: str | None = None
-
-    @property
-    def name(self) -> str:
-        return names.limit_name(self.user)
-
-
-@dataclass(frozen=True)
-class Tier:
-    """One tier: rate (0: none), exemption, member count, weight (0: none)."""
-
-    tier: str
-    tokens_per_second: int
-    exempt: bool
-    member_count: int = 0
-    etag: str = ""
-    weight: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return names.tier_name(self.tier)
-
-
-@dataclass(frozen=True)
-class Team:
-    """One team: rate, weight (0: none), member count."""
-
-    team: str
-    tokens_per_second: int
-    weight: float = 0.0
+    kind: Kind
+    id: str
+    limits: Limits = field(default_factory=Limits)
+    groups: Mapping[GroupKind, str] = field(default_factory=dict)
     member_count: int = 0
     etag: str = ""
 
     @property
     def name(self) -> str:
-        return names.team_name(self.team)
+        return self.kind.name(self.id)
+
+    def wire(self, name: str) -> object:
+        """Field ``name`` as the API carries it: 0, false or "" for none, a
+        membership as the group's resource name."""
+        if name in self.kind.references:
+            group = self.groups.get(name)
+            return "" if group is None else BY_HOLDER[name].name(group)
+        value = getattr(self.limits, name)
+        return value if value is not None else 0
 
 
-class LimitSpec(NamedTuple):
-    """One entry of a table to replace, as received (``name`` is ``limits/{user}``,
-    ``tier`` is ``tiers/{tier}`` or empty, ``team`` is ``teams/{team}`` or
-    empty)."""
-
-    name: str
-    tokens_per_second: int
-    tier: str = ""
-    exempt: bool = False
-    weight: float = 0.0
-    team: str = ""
-
-
-class TierSpec(NamedTuple):
-    """One tier of a table to replace, as received (``name`` is ``tiers/{tier}``)."""
+@dataclass(frozen=True)
+class HolderSpec:
+    """One holder of a table to replace, as received: its resource name and
+    the wire value of each field of its kind (0, false or "": not set)."""
 
     name: str
-    tokens_per_second: int
-    exempt: bool = False
-    weight: float = 0.0
-
-
-class TeamSpec(NamedTuple):
-    """One team of a table to replace, as received (``name`` is ``teams/{team}``)."""
-
-    name: str
-    tokens_per_second: int
-    weight: float = 0.0
+    values: Mapping[str, object]
 
 
 @dataclass(frozen=True)
 class LimitsTable:
-    """The default, all entries, all tiers and all teams (sorted), with the
-    etag."""
+    """The default and every holder of every kind (sorted), with the etag."""
 
     default_tokens_per_second: int  #: 0 while pacing is off
-    limits: list[Limit] = field(default_factory=list)
+    holders: Mapping[Kind, list[Holder]] = field(default_factory=dict)
     etag: str = ""
-    tiers: list[Tier] = field(default_factory=list)
-    teams: list[Team] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -185,8 +132,8 @@ class TeamState:
 
 
 class Etags:
-    """The etags of single resources (entries, tiers, teams, the mode), computed from
-    their fields and ``epoch`` (random per process)."""
+    """The etags of single resources (holders, the mode), computed from their
+    fields and ``epoch`` (random per process)."""
 
     def __init__(self, epoch: str) -> None:
         self.epoch = epoch
@@ -196,16 +143,14 @@ class Etags:
         text = repr((self.epoch, *fields)).encode()  # repr escapes any surrogate
         return f"{self.epoch}-{hashlib.sha256(text).hexdigest()[:16]}"
 
-    def limit(self, user: str, entry: EntryFields | None) -> str:
-        return "" if entry is None else self.digest("limit", user, *entry)
-
-    def tier(
-        self, tier: str, rate: int | None, exempt: bool, weight: float | None
+    def holder(
+        self,
+        kind: Kind,
+        holder_id: str,
+        limits: Limits,
+        groups: Mapping[GroupKind, str],
     ) -> str:
-        return self.digest("tier", tier, rate, exempt, weight)
-
-    def team(self, team: str, rate: int, weight: float | None) -> str:
-        return self.digest("team", team, rate, weight)
+        return self.digest(kind.holder, holder_id, limits, sorted(groups.items()))
 
     def mode(self, mode: Mode, fair_share: bool) -> str:
         return self.digest("mode", mode.value, fair_share)
@@ -221,49 +166,42 @@ def check_etag(etag: str, current: str, name: str) -> None:
         )
 
 
-def entry(etags: Etags, user: str, fields: EntryFields) -> Limit | None:
-    """``user``'s entry with these fields, or None when it has none of them."""
-    if fields == NO_ENTRY:
+def holders_of(policy: Policy, kind: Kind) -> Mapping[str, Limits]:
+    """Each holder of ``kind`` in ``policy`` -> its own limits."""
+    if kind.is_group:
+        return policy.groups[cast(GroupKind, kind.holder)]
+    return {user: entry.limits for user, entry in policy.users.items()}
+
+
+def holder_of(
+    etags: Etags,
+    policy: Policy,
+    kind: Kind,
+    holder_id: str,
+    members: Counter[str] | None = None,
+) -> Holder | None:
+    """Holder ``holder_id`` of ``kind`` in ``policy``, None when it has none;
+    ``members`` counts each group's members (counted here when not given)."""
+    if kind.is_group:
+        limits = policy.groups[cast(GroupKind, kind.holder)].get(holder_id)
+        if limits is None:
+            return None
+        if members is None:
+            members = member_counts(policy, kind)
+        etag = etags.holder(kind, holder_id, limits, {})
+        return Holder(kind, holder_id, limits, {}, members[holder_id], etag)
+    user = policy.users.get(holder_id)
+    if user is None:
         return None
-    rate, tier, exempt, weight, team = fields
-    etag = etags.limit(user, fields)
-    return Limit(user, rate or 0, tier, exempt, etag, weight or 0.0, team)
+    etag = etags.holder(kind, holder_id, user.limits, user.groups)
+    return Holder(kind, holder_id, user.limits, dict(user.groups), 0, etag)
 
 
-def entry_fields(doc: TableDocument, user: str) -> EntryFields | None:
-    """``user``'s entry in ``doc``, or None without one."""
-    fields = (
-        doc.user_rates.get(user),
-        doc.memberships.get(user),
-        user in doc.exempt_users,
-        doc.user_weights.get(user),
-        doc.team_members.get(user),
-    )
-    return None if fields == NO_ENTRY else fields
-
-
-def entry_of(etags: Etags, doc: TableDocument, user: str) -> Limit:
-    """The entry ``doc`` holds for ``user``, one of ``doc.users()``."""
-    limit = entry(etags, user, entry_fields(doc, user) or NO_ENTRY)
-    assert limit is not None  # ``user`` is one of doc.users()
-    return limit
-
-
-def tier_of(etags: Etags, doc: TableDocument, tier: str, members: Counter[str]) -> Tier:
-    """Tier ``tier`` of ``doc``; ``members`` counts each tier's members."""
-    rate = doc.tier_rates.get(tier)
-    exempt = tier in doc.exempt_tiers
-    weight = doc.tier_weights.get(tier)
-    etag = etags.tier(tier, rate, exempt, weight)
-    return Tier(tier, rate or 0, exempt, members[tier], etag, weight or 0.0)
-
-
-def team_of(etags: Etags, doc: TableDocument, team: str, members: Counter[str]) -> Team:
-    """Team ``team`` of ``doc``; ``members`` counts each team's members."""
-    rate = doc.team_rates[team]
-    weight = doc.team_weights.get(team)
-    etag = etags.team(team, rate, weight)
-    return Team(team, rate, weight or 0.0, members[team], etag)
+def member_counts(policy: Policy, kind: Kind) -> Counter[str]:
+    """Group -> its members, for a group kind (empty for users)."""
+    if not kind.is_group:
+        return Counter()
+    return Counter(policy.members(cast(GroupKind, kind.holder)).values())
 
 
 def pacing_mode(etags: Etags, mode: Mode, fair_share: bool) -> PacingMode:
@@ -271,31 +209,24 @@ def pacing_mode(etags: Etags, mode: Mode, fair_share: bool) -> PacingMode:
     return PacingMode(mode, etags.mode(mode, fair_share), fair_share)
 
 
-def table_of(etags: Etags, doc: TableDocument, etag: str) -> LimitsTable:
-    """The whole of ``doc`` as a ``LimitsTable`` with the table etag ``etag``."""
-    members = Counter(doc.memberships.values())
-    team_members = Counter(doc.team_members.values())
-    return LimitsTable(
-        default_tokens_per_second=doc.default_rate or 0,
-        limits=[entry_of(etags, doc, user) for user in sorted(doc.users())],
-        etag=etag,
-        tiers=[tier_of(etags, doc, tier, members) for tier in sorted(doc.tiers)],
-        teams=[
-            team_of(etags, doc, team, team_members) for team in sorted(doc.team_rates)
-        ],
-    )
+def table_of(etags: Etags, policy: Policy, etag: str) -> LimitsTable:
+    """The whole of ``policy`` as a ``LimitsTable`` with the table etag ``etag``."""
+    holders: dict[Kind, list[Holder]] = {}
+    for kind in ALL:
+        members = member_counts(policy, kind)
+        found = (
+            holder_of(etags, policy, kind, holder_id, members)
+            for holder_id in sorted(holders_of(policy, kind))
+        )
+        holders[kind] = [holder for holder in found if holder is not None]
+    return LimitsTable(policy.default_rate or 0, holders, etag)
 
 
-def no_limit(user: str) -> NotFound:
+def not_found(kind: Kind, holder_id: str) -> NotFound:
+    """NotFound for holder ``holder_id`` of ``kind``."""
+    name = shown(kind.name(holder_id))
+    if kind.is_group:
+        return NotFound(f"{name} does not exist")
     return NotFound(
-        f"{shown(names.limit_name(user))} does not exist: the user has no "
-        "entry (the default applies)"
+        f"{name} does not exist: the user has no entry (the default applies)"
     )
-
-
-def no_tier(tier: str) -> NotFound:
-    return NotFound(f"{shown(names.tier_name(tier))} does not exist")
-
-
-def no_team(team: str) -> NotFound:
-    return NotFound(f"{shown(names.team_name(team))} does not exist")

@@ -1,28 +1,32 @@
 """The ``outputrate.v1.OutputRateControl`` servicer: translates messages to and
 from ``LimitsService`` calls, nothing else (errors are mapped by an interceptor).
+
+The RPCs of the rate holders (user entries, tiers, teams) are the same five
+verbs for each kind (``control.kinds``), and their messages are read and built
+field by field from the kind's fields, so that a new attribute of the policy is
+carried by every RPC once the proto has it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import empty_pb2 as _empty_pb2
+from google.protobuf.message import Message
 
 from control import names
 from control.errors import ResourceExhausted
+from control.kinds import ALL, TEAMS, TIERS, USERS, Kind
 from control.resources import (
-    Limit,
-    LimitSpec,
+    Holder,
+    HolderSpec,
     LimitsTable,
     PacingMode,
-    Team,
-    TeamSpec,
     TeamState,
-    Tier,
-    TierSpec,
     UserState,
 )
 from control.service.operations import LimitsService
@@ -31,6 +35,7 @@ from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
+M = TypeVar("M", bound=Message)
 #: Full name of the service, as health checks and reflection list it.
 SERVICE_NAME = _pb2.DESCRIPTOR.services_by_name["OutputRateControl"].full_name
 #: Concurrent watches allowed: each holds a server worker thread for its life.
@@ -85,147 +90,110 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
     def GetLimit(
         self, request: _pb2.GetLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.Limit:
-        return _limit(self._service.get_limit(request.name))
+        return self._get(USERS, request, _pb2.Limit)
 
     def ListLimits(
         self, request: _pb2.ListLimitsRequest, context: grpc.ServicerContext
     ) -> _pb2.ListLimitsResponse:
-        limits, token = self._service.list_limits(request.page_size, request.page_token)
-        return _pb2.ListLimitsResponse(
-            limits=[_limit(limit) for limit in limits], next_page_token=token
-        )
+        return self._list(USERS, request, _pb2.ListLimitsResponse)
 
     def CreateLimit(
         self, request: _pb2.CreateLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.Limit:
-        limit = request.limit
-        return _limit(
-            self._service.create_limit(
-                request.limit_id,
-                limit.tokens_per_second,
-                tier=limit.tier,
-                exempt=limit.exempt,
-                weight=limit.weight,
-                team=limit.team,
-            )
-        )
+        return self._create(USERS, request, _pb2.Limit)
 
     def UpdateLimit(
         self, request: _pb2.UpdateLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.Limit:
-        limit = request.limit
-        return _limit(
-            self._service.update_limit(
-                limit.name,
-                limit.tokens_per_second,
-                list(request.update_mask.paths),
-                allow_missing=request.allow_missing,
-                tier=limit.tier,
-                exempt=limit.exempt,
-                etag=limit.etag,
-                weight=limit.weight,
-                team=limit.team,
-            )
-        )
+        return self._update(USERS, request, _pb2.Limit)
 
     def DeleteLimit(
         self, request: _pb2.DeleteLimitRequest, context: grpc.ServicerContext
     ) -> _empty_pb2.Empty:
-        self._service.delete_limit(
-            request.name, allow_missing=request.allow_missing, etag=request.etag
-        )
-        return _empty_pb2.Empty()
+        return self._delete(USERS, request)
 
     def GetTier(
         self, request: _pb2.GetTierRequest, context: grpc.ServicerContext
     ) -> _pb2.Tier:
-        return _tier(self._service.get_tier(request.name))
+        return self._get(TIERS, request, _pb2.Tier)
 
     def ListTiers(
         self, request: _pb2.ListTiersRequest, context: grpc.ServicerContext
     ) -> _pb2.ListTiersResponse:
-        tiers, token = self._service.list_tiers(request.page_size, request.page_token)
-        return _pb2.ListTiersResponse(
-            tiers=[_tier(tier) for tier in tiers], next_page_token=token
-        )
+        return self._list(TIERS, request, _pb2.ListTiersResponse)
 
     def CreateTier(
         self, request: _pb2.CreateTierRequest, context: grpc.ServicerContext
     ) -> _pb2.Tier:
-        tier = request.tier
-        return _tier(
-            self._service.create_tier(
-                request.tier_id, tier.tokens_per_second, tier.exempt, tier.weight
-            )
-        )
+        return self._create(TIERS, request, _pb2.Tier)
 
     def UpdateTier(
         self, request: _pb2.UpdateTierRequest, context: grpc.ServicerContext
     ) -> _pb2.Tier:
-        tier = request.tier
-        return _tier(
-            self._service.update_tier(
-                tier.name,
-                tier.tokens_per_second,
-                tier.exempt,
-                list(request.update_mask.paths),
-                allow_missing=request.allow_missing,
-                etag=tier.etag,
-                weight=tier.weight,
-            )
-        )
+        return self._update(TIERS, request, _pb2.Tier)
 
     def DeleteTier(
         self, request: _pb2.DeleteTierRequest, context: grpc.ServicerContext
     ) -> _empty_pb2.Empty:
-        self._service.delete_tier(
-            request.name, allow_missing=request.allow_missing, etag=request.etag
-        )
-        return _empty_pb2.Empty()
+        return self._delete(TIERS, request)
 
     def GetTeam(
         self, request: _pb2.GetTeamRequest, context: grpc.ServicerContext
     ) -> _pb2.Team:
-        return _team(self._service.get_team(request.name))
+        return self._get(TEAMS, request, _pb2.Team)
 
     def ListTeams(
         self, request: _pb2.ListTeamsRequest, context: grpc.ServicerContext
     ) -> _pb2.ListTeamsResponse:
-        teams, token = self._service.list_teams(request.page_size, request.page_token)
-        return _pb2.ListTeamsResponse(
-            teams=[_team(team) for team in teams], next_page_token=token
-        )
+        return self._list(TEAMS, request, _pb2.ListTeamsResponse)
 
     def CreateTeam(
         self, request: _pb2.CreateTeamRequest, context: grpc.ServicerContext
     ) -> _pb2.Team:
-        team = request.team
-        return _team(
-            self._service.create_team(
-                request.team_id, team.tokens_per_second, team.weight
-            )
-        )
+        return self._create(TEAMS, request, _pb2.Team)
 
     def UpdateTeam(
         self, request: _pb2.UpdateTeamRequest, context: grpc.ServicerContext
     ) -> _pb2.Team:
-        team = request.team
-        return _team(
-            self._service.update_team(
-                team.name,
-                team.tokens_per_second,
-                list(request.update_mask.paths),
-                allow_missing=request.allow_missing,
-                etag=team.etag,
-                weight=team.weight,
-            )
-        )
+        return self._update(TEAMS, request, _pb2.Team)
 
     def DeleteTeam(
         self, request: _pb2.DeleteTeamRequest, context: grpc.ServicerContext
     ) -> _empty_pb2.Empty:
-        self._service.delete_team(
-            request.name, allow_missing=request.allow_missing, etag=request.etag
+        return self._delete(TEAMS, request)
+
+    # -- the verbs of every kind (``control.kinds``) ---------------------------
+
+    def _get(self, kind: Kind, request: Any, reply: type[M]) -> M:
+        return _message(self._service.get(kind, request.name), reply)
+
+    def _list(self, kind: Kind, request: Any, reply: type[M]) -> M:
+        holders, token = self._service.list_page(
+            kind, request.page_size, request.page_token
+        )
+        page: list[Message] = [_message(holder) for holder in holders]
+        return reply(**{kind.collection: page}, next_page_token=token)
+
+    def _create(self, kind: Kind, request: Any, reply: type[M]) -> M:
+        holder_id = getattr(request, f"{kind.resource}_id")
+        values = _values(kind, getattr(request, kind.resource))
+        return _message(self._service.create(kind, holder_id, values), reply)
+
+    def _update(self, kind: Kind, request: Any, reply: type[M]) -> M:
+        message = getattr(request, kind.resource)
+        holder = self._service.update(
+            kind,
+            message.name,
+            _values(kind, message),
+            list(request.update_mask.paths),
+            allow_missing=request.allow_missing,
+            etag=message.etag,
+        )
+        return _message(holder, reply)
+
+    def _delete(self, kind: Kind, request: Any) -> _empty_pb2.Empty:
+        self._service.delete(
+            kind, request.name, allow_missing=request.allow_missing, etag=request.etag
         )
         return _empty_pb2.Empty()
 
@@ -273,21 +241,16 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         self, request: _pb2.ReplaceLimitsTableRequest, context: grpc.ServicerContext
     ) -> _pb2.LimitsTable:
         table = request.limits_table
+        holders = {
+            kind: [
+                HolderSpec(message.name, _values(kind, message))
+                for message in getattr(table, kind.collection)
+            ]
+            for kind in ALL
+        }
         return _table(
             self._service.replace_limits_table(
-                table.default_tokens_per_second,
-                [
-                    LimitSpec(
-                        x.name, x.tokens_per_second, x.tier, x.exempt, x.weight, x.team
-                    )
-                    for x in table.limits
-                ],
-                table.etag,
-                [
-                    TierSpec(x.name, x.tokens_per_second, x.exempt, x.weight)
-                    for x in table.tiers
-                ],
-                [TeamSpec(x.name, x.tokens_per_second, x.weight) for x in table.teams],
+                table.default_tokens_per_second, holders, table.etag
             )
         )
 
@@ -344,37 +307,20 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 done.set()
 
 
-def _limit(limit: Limit) -> _pb2.Limit:
-    return _pb2.Limit(
-        name=limit.name,
-        tokens_per_second=limit.tokens_per_second,
-        tier="" if limit.tier is None else names.tier_name(limit.tier),
-        exempt=limit.exempt,
-        etag=limit.etag,
-        weight=limit.weight,
-        team="" if limit.team is None else names.team_name(limit.team),
-    )
+def _message(holder: Holder, reply: type[M] | None = None) -> M:
+    """``holder`` as its kind's message (``reply``): every field of the kind,
+    by name."""
+    kind = holder.kind
+    fields = {name: holder.wire(name) for name in kind.fields}
+    if kind.is_group:
+        fields["member_count"] = holder.member_count
+    message = getattr(_pb2, kind.title) if reply is None else reply
+    return cast(M, message(name=holder.name, etag=holder.etag, **fields))
 
 
-def _tier(tier: Tier) -> _pb2.Tier:
-    return _pb2.Tier(
-        name=tier.name,
-        tokens_per_second=tier.tokens_per_second,
-        exempt=tier.exempt,
-        member_count=tier.member_count,
-        etag=tier.etag,
-        weight=tier.weight,
-    )
-
-
-def _team(team: Team) -> _pb2.Team:
-    return _pb2.Team(
-        name=team.name,
-        tokens_per_second=team.tokens_per_second,
-        weight=team.weight,
-        member_count=team.member_count,
-        etag=team.etag,
-    )
+def _values(kind: Kind, message: Any) -> dict[str, object]:
+    """The wire value of each field of ``kind`` in ``message``."""
+    return {name: getattr(message, name) for name in kind.fields}
 
 
 def _team_state(state: TeamState) -> _pb2.TeamState:
@@ -408,10 +354,13 @@ def _table(table: LimitsTable) -> _pb2.LimitsTable:
     return _pb2.LimitsTable(
         name=names.LIMITS_TABLE,
         default_tokens_per_second=table.default_tokens_per_second,
-        limits=[_limit(limit) for limit in table.limits],
         etag=table.etag,
-        tiers=[_tier(tier) for tier in table.tiers],
-        teams=[_team(team) for team in table.teams],
+        **{
+            kind.collection: [
+                _message(holder) for holder in table.holders.get(kind, [])
+            ]
+            for kind in ALL
+        },
     )
 
 

@@ -118,13 +118,22 @@ class TableDocument:
     @classmethod
     def from_document(cls, document: Document) -> TableDocument:
         """The table a checked policy document holds."""
-        policy = document.policy
+        return cls.of_policy(document.policy, document.etag, document.store_version)
+
+    @classmethod
+    def of_policy(
+        cls,
+        policy: Policy,
+        etag: str | None = None,
+        store_version: LimitsVersion | None = None,
+    ) -> TableDocument:
+        """The table ``policy`` holds."""
         table, teams = policy.limit_table(), policy.team_table()
         share = policy.share_policy()
         return cls(
             default_rate=policy.default_rate,
             user_rates=table.user_rates,
-            etag=document.etag,
+            etag=etag,
             tier_rates=table.tier_rates,
             exempt_tiers=table.exempt_tiers,
             memberships=table.memberships,
@@ -136,7 +145,7 @@ class TableDocument:
             team_rates=teams.rates,
             team_members=teams.memberships,
             team_weights=dict(share.teams),
-            store_version=document.store_version,
+            store_version=store_version,
         )
 
     def to_document(self) -> Document:

@@ -14,9 +14,9 @@ Each ``SharedLimiter`` has one ``LimitsHub`` (``hub(shared)``):
   apply alone (the scheduler never waits on the store).
 - ``backend``: ``None`` on a single engine (the control plane applies its
   changes locally, as it always did), or the store's ``LimitsBackend``. With
-  one, the control plane first ``publish``-es the whole new table and mode
-  (compare-and-set against the version this engine applied last), then applies
-  it locally.
+  one, the control plane first ``publish``-es the whole new table, mode and
+  switch as one value (``pacing.policy.model.Policy``; compare-and-set against
+  the version this engine applied last), then applies it locally.
 - listeners (``on_table_change``): told, with ``SharedLimiter.lock`` held, when
   a table another engine published was applied here; the control plane moves
   its table etag, so an etag read before that change no longer matches.
@@ -43,6 +43,7 @@ from typing import Final, Protocol
 from pacing.fair_share_policy import SharePolicy
 from pacing.limits import LimitTable
 from pacing.modes import Mode
+from pacing.policy.model import Policy
 from pacing.shared import SharedLimiter
 from pacing.teams import TeamTable
 
@@ -98,18 +99,11 @@ class LimitsNotSaved(Exception):
 class LimitsBackend(Protocol):
     """Where the control plane commits a change when a global store is used."""
 
-    def publish(
-        self,
-        default_rate: int | None,
-        table: LimitTable,
-        mode: Mode,
-        share: SharePolicy,
-        teams: TeamTable,
-    ) -> None:
-        """Makes the whole table, mode, fair-share policy and teams every engine's,
-        before the caller applies them here, and saves them to the durable copy.
-        Requires the hub's lock held. Raises LimitsConflict or
-        LimitsUnavailable (nothing changed), or LimitsNotSaved."""
+    def publish(self, policy: Policy) -> None:
+        """Makes ``policy`` (the whole table, its ``mode`` and ``fair_share``
+        set) every engine's, before the caller applies it here, and saves it to
+        the durable copy. Requires the hub's lock held. Raises LimitsConflict
+        or LimitsUnavailable (nothing changed), or LimitsNotSaved."""
         ...
 
 

@@ -342,13 +342,17 @@ class OutputRateLimiter:
         members). Members with a limit of their own are not affected."""
         self._apply(self._limits.set_tier_exempt(tier, exempt), now_ns)
 
-    def replace_limits(self, limits: LimitTable, now_ns: int) -> None:
+    def replace_limits(
+        self, limits: LimitTable, now_ns: int, users: Iterable[str] | None = None
+    ) -> None:
         """Makes ``limits`` the limit table (the limiter takes it over; the
         default rate is not part of it), as if every difference had been set one
-        by one at ``now_ns``: all at once or, the table being valid, not at all."""
+        by one at ``now_ns``: all at once or, the table being valid, not at all.
+        ``users``, when given, are the only users whose limit may differ (the
+        others' state is not visited)."""
         self._limits = limits
         self._overrides = limits.overrides
-        self._apply(list(self._cells), now_ns)
+        self._apply(list(self._cells) if users is None else users, now_ns)
 
     def set_default_rate(self, rate: int, now_ns: int) -> None:
         """Sets the default limit (turning limiting on); users with an explicit

@@ -53,24 +53,28 @@ keeps its token debt, and ``limit_changes`` counts the change) and the
 fair-share ledger's (``apply_policy``: the switch and the weights; an engine
 that cannot run fair share keeps it off), and ends the engine's idle wait. An
 equal table (a seed read back, a mode-only change) is not applied again.
+Whether the table changed (its etag moves, the version is counted and logged)
+is one comparison of the policy in force with the one read
+(``pacing.policy.model.Policy``: every attribute of every holder), the mode and
+the fair-share switch aside, so an attribute added to the policy is compared
+without being named here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import Any
 
-from pacing import global_limits
-from pacing.fair_share_policy import SharePolicy, apply_policy, policy_of
+from pacing import fair_share_policy, global_limits
+from pacing.fair_share_policy import apply_policy
 from pacing.global_limits import LimitsVersion
 from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
-from pacing.modes import Mode
+from pacing.policy.model import Policy, policy_of
 from pacing.shared import SharedLimiter
-from pacing.teams import TeamTable
-from store.limits_table import Limits
 from store.redis_store import (
     NO_TABLE,
     LimitsSubscription,
@@ -153,24 +157,16 @@ class LimitsSync:
 
     # -- LimitsBackend -----------------------------------------------------------
 
-    def publish(
-        self,
-        default_rate: int | None,
-        table: LimitTable,
-        mode: Mode,
-        share: SharePolicy,
-        teams: TeamTable,
-    ) -> None:
-        """Writes the control plane's change to the store if it still holds the
-        version applied here. Requires the hub's lock (the control plane holds
-        it)."""
+    def publish(self, policy: Policy) -> None:
+        """Writes the control plane's change (its ``mode`` and ``fair_share``
+        set) to the store if it still holds the version applied here. Requires
+        the hub's lock (the control plane holds it)."""
         if self._version is None:
             raise global_limits.LimitsUnavailable(
                 "the limits table has not been read from the store yet"
             )
-        limits = Limits(default_rate, table, mode, share, teams)
         try:
-            self._version = self._store.write_limits(limits, self._version)
+            self._version = self._store.write_limits(policy, self._version)
         except StaleLimits as stale:
             try:
                 self._sync_locked()
@@ -181,7 +177,7 @@ class LimitsSync:
             raise global_limits.LimitsConflict(stale.current.counter) from None
         except StoreError as error:
             raise global_limits.LimitsUnavailable(str(error)) from None
-        if not self._save(limits, self._version):
+        if not self._save(policy, self._version):
             raise global_limits.LimitsNotSaved(
                 f"limits version {self._version} is in force on every engine, but "
                 "this engine could not save it to its limits file"
@@ -221,9 +217,9 @@ class LimitsSync:
             stored = self._store.read_limits()
             if stored is None:  # gone between the two reads: seed it
                 continue
-            version, limits = stored
-            applied = self._apply(version, limits)
-            self._save(limits, version)
+            version, policy = stored
+            applied = self._apply(version, policy)
+            self._save(policy, version)
             return applied
         return False  # writers kept racing: the next pass looks again
 
@@ -237,26 +233,27 @@ class LimitsSync:
     def _write_ours(self, expected: LimitsVersion, count_past: int) -> None:
         """Writes this engine's table over ``expected`` (StaleLimits if that is
         no longer the store's), counting past ``count_past``."""
-        limits = self._local()
+        policy = self._local()
         self._version = self._store.write_limits(
-            limits, expected, count_past=count_past
+            policy, expected, count_past=count_past
         )
-        self._save(limits, self._version)
+        self._save(policy, self._version)
 
-    def _save(self, limits: Limits, version: LimitsVersion) -> bool:
-        """Saves ``limits`` at ``version`` to the durable copy, if any; returns
-        False when that failed (logged: the table is in force, as the store
-        holds it)."""
+    def _save(self, policy: Policy, version: LimitsVersion) -> bool:
+        """Saves ``policy`` (one the store took or gave: its mode set) at
+        ``version`` to the durable copy, if any; returns False when that failed
+        (logged: the table is in force, as the store holds it)."""
         durable = self._hub.durable
         if durable is None:
             return True
+        assert policy.mode is not None  # encode refuses, decode sets it
         try:
             durable.save(
-                limits.default_rate,
-                limits.table,
-                limits.mode,
-                limits.share,
-                limits.teams,
+                policy.default_rate,
+                policy.limit_table(),
+                policy.mode,
+                policy.share_policy(),
+                policy.team_table(),
                 version,
             )
         except OSError as error:
@@ -269,48 +266,62 @@ class LimitsSync:
             return False
         return True
 
-    def _local(self) -> Limits:
+    def _local(self) -> Policy:
+        """The policy in force here, its mode and fair-share switch set."""
         shared = self._shared
-        with shared.lock:  # copies only; the table is built off the lock
+        with shared.lock:  # copies only; the policy is built off the lock
             limiter = shared.limiter
             default, mode = limiter.default_rate, shared.mode
             entries = _entries(limiter)
-            share = policy_of(shared.fair_share)
+            share = fair_share_policy.policy_of(shared.fair_share)
             teams = shared.teams.table.copy()
-        return Limits(default, LimitTable(*entries), mode, share, teams)
+        return policy_of(
+            default_rate=default,
+            table=LimitTable(*entries),
+            teams=teams,
+            share=share,
+            mode=mode,
+            fair_share=share.enabled,
+        )
 
-    def _apply(self, version: LimitsVersion, limits: Limits) -> bool:
+    def _apply(self, version: LimitsVersion, policy: Policy) -> bool:
         shared = self._shared
-        table, default = limits.table, limits.default_rate
-        wanted = _entries(table)
+        # The policy in force, read before the apply: nothing else changes the
+        # table meanwhile (every change holds the hub's lock, as this does).
+        held = self._local()
+        if policy.default_rate is None:
+            # The limiter cannot drop its default (pacing off), as in the
+            # control plane's own whole-table replace.
+            policy = dataclasses.replace(policy, default=held.default)
+        changed = _table_part(policy) != _table_part(held)
+        table, teams, share = (
+            policy.limit_table(),
+            policy.team_table(),
+            policy.share_policy(),
+        )
+        default, wanted = policy.default_rate, _entries(table)
+        mode = policy.mode
+        assert mode is not None  # decode sets it
         with shared.lock:
             limiter = shared.limiter
             now_ns = shared.clock()
-            # The limiter cannot drop its default (pacing off), as in the
-            # control plane's own whole-table replace.
-            new_default = False
             if default is not None and default != limiter.default_rate:
                 limiter.set_default_rate(default, now_ns)
-                new_default = True
-            new_entries = wanted != _entries(limiter)
-            if new_entries:
+            if wanted != _entries(limiter):
                 limiter.replace_limits(table, now_ns)
             held_teams = shared.teams.table
-            new_teams = (limits.teams.rates, limits.teams.memberships) != (
+            if (teams.rates, teams.memberships) != (
                 held_teams.rates,
                 held_teams.memberships,
-            )
-            if new_teams:
-                shared.teams.replace(limits.teams.copy(), now_ns)
-            before = policy_of(shared.fair_share)
-            apply_policy(shared.fair_share, limits.share)
-            new_weights = _weights(limits.share) != _weights(before)
-            switched = shared.fair_share.enabled != before.enabled
-            changed = new_default or new_entries or new_weights or new_teams
+            ):
+                shared.teams.replace(teams, now_ns)
+            was_enabled = shared.fair_share.enabled
+            apply_policy(shared.fair_share, share)
+            switched = shared.fair_share.enabled != was_enabled
             if changed:
                 self._hub.table_changed()
-            mode_changed = shared.mode != limits.mode or switched
-            shared.mode = limits.mode
+            mode_changed = shared.mode != mode or switched
+            shared.mode = mode
             self._version = version
         if not (changed or mode_changed):
             return False
@@ -390,10 +401,10 @@ class LimitsSync:
             )
 
 
-def _weights(share: SharePolicy) -> tuple[Any, ...]:
-    """The weights of ``share`` (part of the table: they move the table etag;
-    the switch does not, like the mode)."""
-    return (dict(share.users), dict(share.tiers), dict(share.teams))
+def _table_part(policy: Policy) -> Policy:
+    """``policy`` without its mode and fair-share switch: what moves the table
+    etag (every holder's attributes: rates, exemptions, weights, groups)."""
+    return dataclasses.replace(policy, mode=None, fair_share=None)
 
 
 def _entries(source: LimitTable | OutputRateLimiter) -> tuple[Any, ...]:

@@ -10,33 +10,29 @@ from before the store lost data (a FLUSHALL, a restart without persistence, a
 failover's rolled-back writes) is refused even where the counter, counting
 again, reached the same number.
 
-The document holds the default rate, the whole ``pacing.limits.LimitTable``
-(user limits, tiers, memberships, exemptions), the pacing mode (the fleet's
-kill switch is one switch) and the fair-share policy (the switch and the
-weights: ``pacing.fair_share_policy``; the counters stay each engine's);
-the teams and their members (``pacing.teams``) are written only when there is
-a team, so fleets without teams keep their documents as they were;
-decoding checks it with the one validator of every entry point
-(``pacing.policy``: its flat form, then the document's rules), so a bad
-document is refused, never applied. The policy's keys are written only when it
-holds something (fair share on, or a weight), so a document without them reads
-as fair share off and no weights, and engines that do not know the keys keep
-reading the documents of a fleet that does not use fair share.
+The document is the operator's policy (``pacing.policy.model.Policy``) in the
+store's flat form (``pacing.policy.flat``), as engines of earlier versions
+write and read it: the default rate, the ``pacing.limits.LimitTable`` pieces,
+the pacing mode (the fleet's kill switch is one switch), the fair-share switch
+and weights (the counters stay each engine's) and the teams. The fair-share
+keys are written only when fair share is on or there is a weight, the teams'
+only when there is a team, so documents of fleets that use neither stay as
+they were. Decoding checks the document with the one validator of every entry
+point (``pacing.policy``: its flat form, then the document's rules), so a bad
+document is refused, never applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, field
 from typing import Any, Final
 
-from pacing.fair_share_policy import SharePolicy
-from pacing.limits import LimitTable
 from pacing.modes import Mode
 from pacing.policy.document import WEIGHT_KEYS, check_keys, check_object, parse
 from pacing.policy.errors import PolicyError
 from pacing.policy.flat import tree_of
-from pacing.teams import TeamTable
+from pacing.policy.model import Policy
 
 #: KEYS[1]: the limits hash. ARGV: the counter and stamp of the version the
 #: writer read ('' for any; '0' and '' where there must be no table), the new
@@ -72,30 +68,21 @@ _POLICY_FIELDS = ("fair_share", "weights")
 _TEAM_FIELDS = ("team_rates", "team_members")
 
 
-@dataclass(frozen=True)
-class Limits:
-    """A limits table as stored: the default rate (``None``: pacing off), the
-    explicit entries, the pacing mode and the fair-share policy."""
-
-    default_rate: int | None
-    table: LimitTable
-    mode: Mode = Mode.ENFORCE
-    share: SharePolicy = field(default_factory=SharePolicy)
-    teams: TeamTable = field(default_factory=TeamTable)
-
-
-def encode(limits: Limits) -> str:
-    """``limits`` as the stored JSON document (keys sorted: equal tables give
-    equal documents)."""
-    table, share = limits.table, limits.share
+def encode(policy: Policy) -> str:
+    """``policy`` as the stored JSON document (keys sorted: equal tables give
+    equal documents). ValueError where the policy does not say its mode and
+    fair-share switch (a stored table says both)."""
+    if policy.mode is None or policy.fair_share is None:
+        raise ValueError("a stored limits table says its mode and fair-share switch")
+    table, share = policy.limit_table(), policy.share_policy()
     document: dict[str, Any] = {
-        "default_rate": limits.default_rate,
+        "default_rate": policy.default_rate,
         "user_rates": table.user_rates,
         "tier_rates": table.tier_rates,
         "memberships": table.memberships,
         "exempt_users": sorted(table.exempt_users),
         "exempt_tiers": sorted(table.exempt_tiers),
-        "mode": limits.mode.value,
+        "mode": policy.mode.value,
     }
     if share.enabled:
         document["fair_share"] = True
@@ -107,17 +94,19 @@ def encode(limits: Limits) -> str:
         if share.teams:
             weights["teams"] = dict(share.teams)
         document["weights"] = weights
-    teams = limits.teams
+    teams = policy.team_table()
     if teams:
         document["team_rates"] = teams.rates
         document["team_members"] = teams.memberships
     return json.dumps(document, sort_keys=True, ensure_ascii=False)
 
 
-def decode(document: str | bytes) -> Limits:
-    """The ``Limits`` a stored document holds; ValueError (``PolicyError`` for
-    the policy's rules, ``pacing.policy.document``) naming what is wrong: a
-    missing or unknown field, or the piece and the path of a broken rule."""
+def decode(document: str | bytes) -> Policy:
+    """The policy a stored document holds, its mode and fair-share switch set
+    (``ENFORCE`` and off where the document has none); ValueError
+    (``PolicyError`` for the policy's rules, ``pacing.policy.document``) naming
+    what is wrong: a missing or unknown field, or the piece and the path of a
+    broken rule."""
     try:
         raw: Any = json.loads(document)
     except (ValueError, UnicodeDecodeError) as error:
@@ -139,11 +128,8 @@ def decode(document: str | bytes) -> Limits:
         policy = parse(tree_of(pieces)).policy
     except PolicyError as error:
         raise error.at("limits document") from None
-    share = policy.share_policy()
-    return Limits(
-        policy.default_rate,
-        policy.limit_table(),
-        Mode.ENFORCE if policy.mode is None else policy.mode,
-        share,
-        policy.team_table(),
+    return dataclasses.replace(
+        policy,
+        mode=Mode.ENFORCE if policy.mode is None else policy.mode,
+        fair_share=bool(policy.fair_share),
     )

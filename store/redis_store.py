@@ -43,10 +43,10 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from pacing.claims import Request
 from pacing.global_limits import LimitsVersion
 from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE
+from pacing.policy.model import Policy
 from pacing.store_url import validate_fleet
 from store import cell, limits_table
 from store.clients import Client, LazyCluster
-from store.limits_table import Limits
 from store.shards import ShardedPipelines
 
 T = TypeVar("T")
@@ -283,7 +283,7 @@ class RedisStore:
 
     # -- the limits table ----------------------------------------------------------
 
-    def read_limits(self) -> tuple[LimitsVersion, Limits] | None:
+    def read_limits(self) -> tuple[LimitsVersion, Policy] | None:
         """The stored limits table and its version; ``None`` when there is none.
         Raises ValueError for a document that breaks the table's rules."""
         counter, stamp, document = self._call(
@@ -305,16 +305,17 @@ class RedisStore:
 
     def write_limits(
         self,
-        limits: Limits,
+        policy: Policy,
         expected: LimitsVersion | None,
         *,
         count_past: int = 0,
     ) -> LimitsVersion:
-        """Replaces the limits table and publishes the new version, which it
-        returns: a fresh stamp, and a counter past the current one and past
-        ``count_past``. With ``expected``, only if that is still the current
-        version (else StaleLimits, carrying the current one); ``NO_TABLE``
-        writes only where there is no table yet."""
+        """Replaces the limits table by ``policy`` (its mode and fair-share
+        switch set: ``store.limits_table.encode``) and publishes the new
+        version, which it returns: a fresh stamp, and a counter past the
+        current one and past ``count_past``. With ``expected``, only if that is
+        still the current version (else StaleLimits, carrying the current one);
+        ``NO_TABLE`` writes only where there is no table yet."""
         if expected is None:
             expected_args = ["", ""]
         else:
@@ -328,7 +329,7 @@ class RedisStore:
                         *expected_args,
                         secrets.token_hex(8),
                         count_past,
-                        limits_table.encode(limits),
+                        limits_table.encode(policy),
                         self.keys.limits_channel,
                     ],
                 )

@@ -1,7 +1,8 @@
 """Fixtures for the store's tests: the same tests run on ``fakeredis`` and on a
 real ``redis-server`` (started once per session on a free loopback port, no
 persistence, stopped at the end), and with ``client_or_cluster`` on a real
-three-master Redis Cluster as well (started once per session)."""
+three-master Redis Cluster as well (started once per session); and
+``stored_table``, a limits table as the store carries it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import redis
 from redis.cluster import RedisCluster
 
 from pacing.claims import ClaimedBalances
+from pacing.fair_share_policy import SharePolicy
+from pacing.limits import LimitTable
+from pacing.modes import Mode
+from pacing.policy.model import Policy, policy_of
+from pacing.teams import TeamTable
 from store.claimer import Claimer
 from store.clients import LazyCluster, connect
 from tools.counting_store import CountingStore
@@ -85,3 +91,24 @@ def claim_through_a_store(
     store = CountingStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
     claimer = Claimer(store, balances, shared.lock, clock, engine_id="e")
     return balances, store, claimer
+
+
+def stored_table(
+    default_rate: int | None,
+    table: LimitTable | None = None,
+    mode: Mode = Mode.ENFORCE,
+    share: SharePolicy | None = None,
+    teams: TeamTable | None = None,
+) -> Policy:
+    """A table as the store carries it (``store.limits_table``): the policy of
+    these runtime pieces, its mode set (``ENFORCE`` unless given) and its
+    fair-share switch ``share``'s (off unless given)."""
+    share = SharePolicy() if share is None else share
+    return policy_of(
+        default_rate=default_rate,
+        table=LimitTable() if table is None else table,
+        teams=TeamTable() if teams is None else teams,
+        share=share,
+        mode=mode,
+        fair_share=share.enabled,
+    )

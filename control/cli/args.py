@@ -4,8 +4,8 @@ argument types that check every value.
 Invariant: every argument's value is checked here, before anything is sent:
 numbers against the range the proto field holds and the server accepts, user
 and tier ids by the one rule of ``pacing.identity.validate_user``, strings as
-well-formed Unicode (the combinations that create-tier and update-tier need
-are checked by those commands, and the token by ``control.cli.client``, also
+well-formed Unicode (the combinations that a create or an update needs are
+checked by those commands, and the token by ``control.cli.client``, also
 before sending); a usage error is one line on stderr and exit status 2.
 """
 
@@ -13,25 +13,29 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any, NoReturn
 
-from control.cli import commands, import_export
+from google.protobuf.descriptor import FieldDescriptor
+
+from control.cli import commands, import_export, spelling
 from control.cli.client import EXIT_USAGE
 from control.cli.commands import Command
 from control.cli.render import encodes, print_error
+from control.kinds import ALL, TEAMS, TIERS, USERS, Kind
 from control.service.ordering import MAX_PAGE_SIZE
 from control.service.user_states import (
     MAX_WATCH_INTERVAL_NS,
     MIN_WATCH_INTERVAL_NS,
     MOST_THROTTLED_FIRST,
 )
-from pacing.fair_share import validate_weight
 from pacing.identity import validate_user
-from pacing.limits import validate_rate
 from pacing.modes import Mode
 from pacing.policy.errors import PolicyError
+from pacing.policy.model import RULES
 from pacing.settings.flags import DEFAULT_ADDRESS, TOKEN_ENV
+from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 #: Longest --timeout: far beyond any call, far below where gRPC's deadline
 #: arithmetic overflows (about 1e10 s).
@@ -88,50 +92,50 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
-def _rate(raw: str) -> int:
-    """A rate, in the words of the rule (``pacing.limits.validate_rate``)."""
-    try:
-        value: int | str = int(raw)
-    except ValueError:  # no whole number (or over 4300 digits): shown as typed
-        value = raw
-    try:
-        return validate_rate(value)
-    except PolicyError as error:
-        raise argparse.ArgumentTypeError(error.message) from None
+def _by_rule(kind: Kind, field: str) -> Callable[[str], Any]:
+    """An argparse type: a value of the attribute ``field``, a whole number or a
+    number as ``kind``'s message holds it, checked in the words of its rule
+    (``pacing.policy.model.RULES``: ``validate_rate``, ``validate_weight``)."""
+    rule = RULES[field]
+    number = float if _field(kind, field).cpp_type in _REALS else int
+
+    def parse(raw: str) -> Any:
+        try:
+            value: object = number(raw)
+        except ValueError:  # no number (or over 4300 digits): shown as typed
+            value = raw
+        try:
+            return rule(value)
+        except PolicyError as error:
+            raise argparse.ArgumentTypeError(error.message) from None
+
+    return parse
 
 
-def _weight(raw: str) -> float:
-    """A fair-share weight, in the words of the rule
-    (``pacing.fair_share.validate_weight``)."""
-    try:
-        value: float | str = float(raw)
-    except ValueError:  # no number: shown as typed
-        value = raw
-    try:
-        return validate_weight(value)
-    except PolicyError as error:
-        raise argparse.ArgumentTypeError(error.message) from None
+def _field(kind: Kind, field: str) -> FieldDescriptor:
+    """``field`` of ``kind``'s message."""
+    message = getattr(_pb2, kind.title)
+    descriptor: FieldDescriptor = message.DESCRIPTOR.fields_by_name[field]
+    return descriptor
 
 
-def _user(raw: str) -> str:
-    try:
-        return validate_user(raw, field="the user id")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _holder_id(holder: str) -> Callable[[str], str]:
+    """An argparse type: the id of a ``holder`` (``user``, ``tier``, ``team``),
+    by the user-id rule."""
+
+    def parse(raw: str) -> str:
+        try:
+            return validate_user(raw, field=f"the {holder} id")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
-def _tier(raw: str) -> str:
-    try:
-        return validate_user(raw, field="the tier id")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _team(raw: str) -> str:
-    try:
-        return validate_user(raw, field="the team id")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_REALS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
+_rate = _by_rule(USERS, "tokens_per_second")
+_weight = _by_rule(USERS, "weight")
+_user, _tier, _team = (_holder_id(kind.holder) for kind in ALL)
 
 
 def _text(raw: str) -> str:
@@ -159,62 +163,170 @@ class _RefuseToken(argparse.Action):
         )
 
 
-def _add_team_commands(teams: argparse.ArgumentParser) -> None:
-    """The subcommands of ``output-rate-ctl teams``."""
-    subcommands = teams.add_subparsers(
-        dest="teams_command", required=True, metavar="TEAMS_COMMAND"
-    )
+_Add = Callable[[str, Command, str], argparse.ArgumentParser]
+
+
+def _adder(subcommands: argparse._SubParsersAction[_Parser]) -> _Add:
+    """Adds a subcommand (name, its ``Command``, its one-line summary)."""
 
     def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
         sub = subcommands.add_parser(name, help=summary, description=summary)
         sub.set_defaults(run=run)
         return sub
 
-    command("list", commands.list_teams, "list teams with their member counts")
-    command("get", commands.get_team, "show one team").add_argument("team", type=_team)
+    return command
+
+
+#: The summaries of a group kind's create and update; the other verbs' are
+#: the same words for every kind (``_add_holder_commands``).
+_SUMMARIES: Mapping[tuple[str, str], str] = {
+    ("tier", "create"): "create a tier: a rate, --exempt or both",
+    ("tier", "update"): (
+        "change a tier's rate or exemption (members follow at the next step)"
+    ),
+    ("team", "create"): "create a team: a rate its members share",
+    ("team", "update"): (
+        "change a team's rate or weight (members share it from the next step)"
+    ),
+}
+#: The help of an attribute's argument, by (holder, field, role: ``create``,
+#: ``update`` or ``clear``), where it is not the field's words (``tokens per
+#: second``) or, to clear it, ``remove the`` its noun (``remove the rate``).
+_HELP: Mapping[tuple[str, str, str], str | None] = {
+    ("tier", "exempt", "create"): "members without a limit of their own are unlimited",
+    ("tier", "exempt", "update"): None,
+    ("tier", "exempt", "clear"): None,
+    ("tier", "weight", "create"): (
+        "fair-share weight of members without one of their own"
+    ),
+    ("tier", "weight", "update"): "fair-share weight of members",
+    ("tier", "weight", "clear"): "remove the weight (members weigh 1)",
+    ("team", "weight", "create"): "fair-share weight among teams",
+    ("team", "weight", "update"): "fair-share weight among teams",
+    ("team", "weight", "clear"): "remove the weight (the team weighs 1)",
+}
+#: Option metavars other than ``N``.
+_METAVARS = {"weight": "W"}
+
+
+def _help(kind: Kind, field: str, role: str) -> str | None:
+    key = (kind.holder, field, role)
+    if key in _HELP:
+        return _HELP[key]
+    if role == "clear":
+        return f"remove the {spelling.noun(field)}"
+    return field.replace("_", " ")
+
+
+def _add_holder_commands(add: _Add, kind: Kind) -> None:
+    """A group kind's list, get, create, update and delete, named as
+    ``spelling.command`` says (the last word: within ``add``'s parser); each
+    attribute of the kind is an argument of create and update."""
+    holder_id = _holder_id(kind.holder)
+
+    def command(verb: str, run: Command, summary: str) -> argparse.ArgumentParser:
+        sub = add(spelling.command(kind, verb).split()[-1], run, summary)
+        if verb != "list":
+            sub.add_argument(kind.holder, type=holder_id)
+        return sub
+
+    command(
+        "list",
+        partial(commands.list_holders, kind),
+        f"list {kind.collection} with their member counts",
+    )
+    command("get", partial(commands.get_holder, kind), f"show one {kind.holder}")
     sub = command(
-        "create", commands.create_team, "create a team: a rate its members share"
+        "create",
+        partial(commands.create_holder, kind),
+        _SUMMARIES.get((kind.holder, "create"), f"create a {kind.holder}"),
     )
-    sub.add_argument("team", type=_team)
-    sub.add_argument("rate", type=_rate, help="tokens per second")
-    sub.add_argument(
-        "--weight", type=_weight, metavar="W", help="fair-share weight among teams"
-    )
+    for field in kind.attributes:
+        _add_create_argument(sub, kind, field)
     sub = command(
         "update",
-        commands.update_team,
-        "change a team's rate or weight (members share it from the next step)",
+        partial(commands.update_holder, kind),
+        _SUMMARIES.get((kind.holder, "update"), f"change a {kind.holder}"),
     )
-    sub.add_argument("team", type=_team)
-    sub.add_argument("--rate", type=_rate, metavar="N", help="tokens per second")
-    weight = sub.add_mutually_exclusive_group()
-    weight.add_argument(
-        "--weight", type=_weight, metavar="W", help="fair-share weight among teams"
-    )
-    weight.add_argument(
-        "--no-weight",
-        dest="weight",
-        action="store_const",
-        const=0.0,
-        help="remove the weight (the team weighs 1)",
-    )
+    for field in kind.attributes:
+        _add_update_arguments(sub, kind, field)
+    required = [spelling.option(field) for field in kind.required]
+    needs = f" (needs {spelling.either(required)})" if required else ""
     sub.add_argument(
         "--allow-missing",
         action="store_true",
-        help="create the team if there is none (needs --rate)",
+        help=f"create the {kind.holder} if there is none{needs}",
     )
     sub = command(
-        "delete", commands.delete_team, "delete a team (refused while it has members)"
+        "delete",
+        partial(commands.delete_holder, kind),
+        f"delete a {kind.holder} (refused while it has members)",
     )
-    sub.add_argument("team", type=_team)
     sub.add_argument(
         "--allow-missing", action="store_true", help="succeed if there is none"
     )
-    command(
-        "state",
-        commands.team_state,
-        "show the budget and members of one team, or of all teams",
-    ).add_argument("team", nargs="?", type=_team)
+
+
+def _add_create_argument(sub: argparse.ArgumentParser, kind: Kind, field: str) -> None:
+    """``field`` when creating: the rate is a positional, a flag is set by its
+    option, any other value is an option's; required if the holder cannot lack
+    it."""
+    help_text = _help(kind, field, "create")
+    required = field in kind.required
+    if field == spelling.POSITIONAL:
+        sub.add_argument(
+            field,
+            metavar=spelling.name(field),
+            type=_by_rule(kind, field),
+            nargs=None if required else "?",
+            help=help_text,
+        )
+    elif _field(kind, field).cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+        sub.add_argument(
+            spelling.option(field), dest=field, action="store_true", help=help_text
+        )
+    else:
+        sub.add_argument(
+            spelling.option(field),
+            dest=field,
+            type=_by_rule(kind, field),
+            metavar=_METAVARS.get(field, "N"),
+            required=required,
+            help=help_text,
+        )
+
+
+def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) -> None:
+    """``field`` when updating: its option and, where it may be removed, the
+    option that removes it (sets its zero), the two exclusive."""
+    clearable = spelling.clearable(kind, field)
+    group = sub.add_mutually_exclusive_group() if clearable else sub
+    help_text = _help(kind, field, "update")
+    descriptor = _field(kind, field)
+    if descriptor.cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+        group.add_argument(
+            spelling.option(field),
+            dest=field,
+            action="store_const",
+            const=True,
+            help=help_text,
+        )
+    else:
+        group.add_argument(
+            spelling.option(field),
+            dest=field,
+            type=_by_rule(kind, field),
+            metavar=_METAVARS.get(field, "N"),
+            help=help_text,
+        )
+    if clearable:
+        group.add_argument(
+            spelling.clear_option(field),
+            dest=field,
+            action="store_const",
+            const=descriptor.default_value,
+            help=_help(kind, field, "clear"),
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,15 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND"
     )
-
-    def command(name: str, run: Command, summary: str) -> argparse.ArgumentParser:
-        sub = subcommands.add_parser(name, help=summary, description=summary)
-        sub.set_defaults(run=run)
-        return sub
-
+    command = _adder(subcommands)
     sub = command(
         "list",
-        commands.list_limits,
+        partial(commands.list_holders, USERS),
         "list user entries: own limit, tier, exemption",
     )
     sub.add_argument(
@@ -285,9 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=MAX_PAGE_SIZE,
         help="limits per request (default %(default)s)",
     )
-    command("get", commands.get_limit, "show one user's entry").add_argument(
-        "user", type=_user
-    )
+    command(
+        "get", partial(commands.get_holder, USERS), "show one user's entry"
+    ).add_argument("user", type=_user)
     sub = command(
         "set", commands.set_limit, "set one user's limit (creates it if missing)"
     )
@@ -303,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     ).add_argument("user", type=_user)
     sub = command(
         "delete",
-        commands.delete_entry,
+        partial(commands.delete_holder, USERS),
         "delete one user's entry: limit, tier, exemption (the default applies again)",
     )
     sub.add_argument("user", type=_user)
@@ -336,67 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands.unset_weight,
         "remove one user's own weight (its tier's, else 1, applies)",
     ).add_argument("user", type=_user)
-    command("list-tiers", commands.list_tiers, "list tiers with their member counts")
-    command("get-tier", commands.get_tier, "show one tier").add_argument(
-        "tier", type=_tier
-    )
-    sub = command(
-        "create-tier",
-        commands.create_tier,
-        "create a tier: a rate, --exempt or both",
-    )
-    sub.add_argument("tier", type=_tier)
-    sub.add_argument("rate", nargs="?", type=_rate, help="tokens per second")
-    sub.add_argument(
-        "--exempt",
-        action="store_true",
-        help="members without a limit of their own are unlimited",
-    )
-    sub.add_argument(
-        "--weight",
-        type=_weight,
-        metavar="W",
-        help="fair-share weight of members without one of their own",
-    )
-    sub = command(
-        "update-tier",
-        commands.update_tier,
-        "change a tier's rate or exemption (members follow at the next step)",
-    )
-    sub.add_argument("tier", type=_tier)
-    rate = sub.add_mutually_exclusive_group()
-    rate.add_argument("--rate", type=_rate, metavar="N", help="tokens per second")
-    rate.add_argument(
-        "--no-rate", dest="rate", action="store_const", const=0, help="remove the rate"
-    )
-    exemption = sub.add_mutually_exclusive_group()
-    exemption.add_argument("--exempt", action="store_const", const=True)
-    exemption.add_argument(
-        "--no-exempt", dest="exempt", action="store_const", const=False
-    )
-    weight = sub.add_mutually_exclusive_group()
-    weight.add_argument(
-        "--weight", type=_weight, metavar="W", help="fair-share weight of members"
-    )
-    weight.add_argument(
-        "--no-weight",
-        dest="weight",
-        action="store_const",
-        const=0.0,
-        help="remove the weight (members weigh 1)",
-    )
-    sub.add_argument(
-        "--allow-missing", action="store_true", help="create the tier if there is none"
-    )
-    sub = command(
-        "delete-tier",
-        commands.delete_tier,
-        "delete a tier (refused while it has members)",
-    )
-    sub.add_argument("tier", type=_tier)
-    sub.add_argument(
-        "--allow-missing", action="store_true", help="succeed if there is none"
-    )
+    _add_holder_commands(command, TIERS)
     sub = command("join", commands.join_team, "make a user a member of a team")
     sub.add_argument("user", type=_user)
     sub.add_argument("team", type=_team)
@@ -408,7 +455,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="list, show, create, change and delete teams; show their state",
         description="Teams: a rate shared by their members (see join, leave).",
     )
-    _add_team_commands(teams)
+    teams_command = _adder(
+        teams.add_subparsers(
+            dest="teams_command", required=True, metavar="TEAMS_COMMAND"
+        )
+    )
+    _add_holder_commands(teams_command, TEAMS)
+    teams_command(
+        "state",
+        commands.team_state,
+        "show the budget and members of one team, or of all teams",
+    ).add_argument("team", nargs="?", type=_team)
     command("get-mode", commands.get_mode, "show the pacing mode")
     command(
         "set-mode",

@@ -1,5 +1,6 @@
-"""The ``output-rate-ctl`` commands, one function each: build the request from
-the parsed arguments, call the control plane, print the result.
+"""The ``output-rate-ctl`` commands: build the request from the parsed
+arguments, call the control plane, print the result. The five verbs are one
+function each for every kind of rate holder (``control.kinds``), given the kind.
 
 Invariant: a command is a ``Command``, ``(client, args, out) -> exit status``;
 it sends only arguments the parser has checked, prints its result to ``out``
@@ -17,77 +18,192 @@ from typing import Any, TextIO
 from google.protobuf import duration_pb2 as _duration_pb2
 
 from control import names
+from control.cli import spelling
 from control.cli.client import EXIT_OK, Client, UsageError
 from control.cli.render import (
-    LIMIT_COLUMNS,
-    TEAM_COLUMNS,
     TEAM_STATE_COLUMNS,
-    TIER_COLUMNS,
     emit,
     emit_default,
-    emit_limit,
+    emit_holder,
     emit_mode,
-    emit_team,
-    emit_tier,
-    limit_dict,
+    holder_columns,
+    holder_dict,
     mode_name,
     print_json,
     print_states,
     state_dict,
-    team_dict,
     team_state_dict,
-    tier_dict,
 )
+from control.kinds import TEAMS, TIERS, USERS, Kind
 from control.service.ordering import MAX_PAGE_SIZE
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 Command = Callable[[Client, argparse.Namespace, TextIO], int]
 
 
-# -- user entries -------------------------------------------------------------
+# -- every kind: list, get, create, update, delete ----------------------------
 
 
-def list_limits(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    request = _pb2.ListLimitsRequest(page_size=args.page_size)
-    limits = [
-        limit_dict(limit) for limit in client.pages("ListLimits", request, "limits")
-    ]
-    emit(out, args, limits, LIMIT_COLUMNS)
-    return EXIT_OK
-
-
-def get_limit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    limit = client.call(
-        "GetLimit", _pb2.GetLimitRequest(name=names.limit_name(args.user))
+def list_holders(
+    kind: Kind, client: Client, args: argparse.Namespace, out: TextIO
+) -> int:
+    request = _request(
+        kind, "List", page_size=getattr(args, "page_size", MAX_PAGE_SIZE)
     )
-    emit_limit(out, args, limit)
+    pages = client.pages(f"List{kind.title}s", request, kind.collection)
+    emit(out, args, [holder_dict(kind, one) for one in pages], holder_columns(kind))
     return EXIT_OK
+
+
+def get_holder(
+    kind: Kind, client: Client, args: argparse.Namespace, out: TextIO
+) -> int:
+    request = _request(kind, "Get", name=kind.name(_id(kind, args)))
+    emit_holder(out, args, kind, client.call(f"Get{kind.title}", request))
+    return EXIT_OK
+
+
+def create_holder(
+    kind: Kind, client: Client, args: argparse.Namespace, out: TextIO
+) -> int:
+    """Creates the holder with the attributes given; one of those that make it
+    exist must be."""
+    values = _given(kind, args)
+    if not any(field in values for field in kind.makes_exist):
+        needs = spelling.creates_with(kind)
+        raise UsageError(f"{spelling.command(kind, 'create')} needs {needs}")
+    emit_holder(out, args, kind, _create(client, kind, _id(kind, args), values))
+    return EXIT_OK
+
+
+def update_holder(
+    kind: Kind, client: Client, args: argparse.Namespace, out: TextIO
+) -> int:
+    """Changes the attributes given (a clear option gives the field's zero),
+    keeping the others; reports the holder, or that the change removed it."""
+    values = _given(kind, args, flags_set=False)
+    if not values:
+        options = spelling.either(spelling.update_options(kind))
+        raise UsageError(f"{spelling.command(kind, 'update')} needs {options}")
+    holder_id = _id(kind, args)
+    updated = _update(client, kind, holder_id, values, args.allow_missing)
+    _report(out, args, kind, holder_id, updated)
+    return EXIT_OK
+
+
+def delete_holder(
+    kind: Kind, client: Client, args: argparse.Namespace, out: TextIO
+) -> int:
+    holder_id = _id(kind, args)
+    request = _request(
+        kind, "Delete", name=kind.name(holder_id), allow_missing=args.allow_missing
+    )
+    client.call(f"Delete{kind.title}", request)
+    _report_gone(out, args, kind, holder_id)
+    return EXIT_OK
+
+
+def _request(kind: Kind, verb: str, **fields: Any) -> Any:
+    """``{verb}{Title}Request`` (``List{Title}sRequest``) with ``fields``."""
+    plural = "s" if verb == "List" else ""
+    return getattr(_pb2, f"{verb}{kind.title}{plural}Request")(**fields)
+
+
+def _id(kind: Kind, args: argparse.Namespace) -> str:
+    """The holder's id, the positional named for the holder (``tier``)."""
+    holder_id: str = getattr(args, kind.holder)
+    return holder_id
+
+
+def _given(
+    kind: Kind, args: argparse.Namespace, *, flags_set: bool = True
+) -> dict[str, Any]:
+    """The attributes on the command line (``dest`` is the field); with
+    ``flags_set``, a flag only when set (a create's ``--exempt``)."""
+    values = {field: getattr(args, field) for field in kind.attributes}
+    return {
+        field: value
+        for field, value in values.items()
+        if value is not None and not (flags_set and value is False)
+    }
+
+
+def _create(client: Client, kind: Kind, holder_id: str, values: dict[str, Any]) -> Any:
+    message = getattr(_pb2, kind.title)(**values)
+    request = _request(
+        kind, "Create", **{f"{kind.resource}_id": holder_id, kind.resource: message}
+    )
+    return client.call(f"Create{kind.title}", request)
+
+
+def _update(
+    client: Client,
+    kind: Kind,
+    holder_id: str,
+    values: dict[str, Any],
+    allow_missing: bool,
+) -> Any:
+    """Sets ``values`` (masked, in the kind's order), keeping the others."""
+    message = getattr(_pb2, kind.title)(name=kind.name(holder_id), **values)
+    request = _request(
+        kind, "Update", **{kind.resource: message}, allow_missing=allow_missing
+    )
+    request.update_mask.paths.extend(values)
+    return client.call(f"Update{kind.title}", request)
+
+
+def _report(
+    out: TextIO, args: argparse.Namespace, kind: Kind, holder_id: str, holder: Any
+) -> None:
+    """The holder an update left, or that it left none (no field that makes
+    one exist)."""
+    if any(getattr(holder, field) for field in kind.makes_exist):
+        emit_holder(out, args, kind, holder)
+    else:
+        _report_gone(out, args, kind, holder_id, emptied=True)
+
+
+def _report_gone(
+    out: TextIO,
+    args: argparse.Namespace,
+    kind: Kind,
+    holder_id: str,
+    *,
+    emptied: bool = False,
+) -> None:
+    """That the holder is gone: deleted, or ``emptied`` by an update."""
+    if args.json:
+        key = f"deleted_{kind.holder}" if kind.is_group else "deleted"
+        print_json(out, {key: holder_id})
+    elif kind.is_group and emptied:
+        nouns = [spelling.noun(field) for field in kind.makes_exist]
+        print(
+            f"{kind.holder} {holder_id} has {spelling.neither(nouns)} left: deleted",
+            file=out,
+        )
+    elif kind.is_group:
+        print(f"deleted {kind.holder} {holder_id}", file=out)
+    elif emptied:
+        print(f"{holder_id} has no entry left (the default applies)", file=out)
+    else:
+        print(
+            f"deleted the entry of {holder_id}: limit, tier, team and exemption "
+            "(the default applies)",
+            file=out,
+        )
+
+
+# -- user entries: one field each ---------------------------------------------
 
 
 def set_limit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    values = {"tokens_per_second": args.rate}
     if args.create:
-        limit = client.call(
-            "CreateLimit",
-            _pb2.CreateLimitRequest(
-                limit_id=args.user, limit=_pb2.Limit(tokens_per_second=args.rate)
-            ),
-        )
+        limit = _create(client, USERS, args.user, values)
     else:
-        limit = _update_entry(client, args.user, "tokens_per_second", args.rate)
-    emit_limit(out, args, limit)
+        limit = _update(client, USERS, args.user, values, allow_missing=True)
+    emit_holder(out, args, USERS, limit)
     return EXIT_OK
-
-
-def _update_entry(
-    client: Client, user: str, field: str, value: Any, *, allow_missing: bool = True
-) -> _pb2.Limit:
-    """Changes one field of ``user``'s entry, keeping the others."""
-    limit = _pb2.Limit(name=names.limit_name(user))
-    setattr(limit, field, value)
-    request = _pb2.UpdateLimitRequest(limit=limit, allow_missing=allow_missing)
-    request.update_mask.paths.append(field)
-    response: _pb2.Limit = client.call("UpdateLimit", request)
-    return response
 
 
 def _entry_change(
@@ -97,191 +213,28 @@ def _entry_change(
     reports the entry, or that none is left."""
 
     def run(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-        limit = _update_entry(
-            client, args.user, field, value(args), allow_missing=allow_missing
-        )
-        if (
-            limit.tokens_per_second
-            or limit.tier
-            or limit.exempt
-            or limit.weight
-            or limit.team
-        ):
-            emit_limit(out, args, limit)
-        elif args.json:
-            print_json(out, {"deleted": args.user})
-        else:
-            print(f"{args.user} has no entry left (the default applies)", file=out)
+        values = {field: value(args)}
+        limit = _update(client, USERS, args.user, values, allow_missing)
+        _report(out, args, USERS, args.user, limit)
         return EXIT_OK
 
     return run
 
 
 unset_limit = _entry_change("tokens_per_second", lambda _: 0, allow_missing=False)
-assign = _entry_change(
-    "tier", lambda args: names.tier_name(args.tier), allow_missing=True
-)
+assign = _entry_change("tier", lambda args: TIERS.name(args.tier), allow_missing=True)
 unassign = _entry_change("tier", lambda _: "", allow_missing=False)
 exempt = _entry_change("exempt", lambda _: True, allow_missing=True)
 unexempt = _entry_change("exempt", lambda _: False, allow_missing=False)
 join_team = _entry_change(
-    "team", lambda args: names.team_name(args.team), allow_missing=True
+    "team", lambda args: TEAMS.name(args.team), allow_missing=True
 )
 leave_team = _entry_change("team", lambda _: "", allow_missing=False)
 set_weight = _entry_change("weight", lambda args: args.weight, allow_missing=True)
 unset_weight = _entry_change("weight", lambda _: 0.0, allow_missing=False)
 
 
-def delete_entry(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    client.call(
-        "DeleteLimit",
-        _pb2.DeleteLimitRequest(
-            name=names.limit_name(args.user), allow_missing=args.allow_missing
-        ),
-    )
-    if args.json:
-        print_json(out, {"deleted": args.user})
-    else:
-        print(
-            f"deleted the entry of {args.user}: limit, tier, team and exemption "
-            "(the default applies)",
-            file=out,
-        )
-    return EXIT_OK
-
-
-# -- tiers --------------------------------------------------------------------
-
-
-def list_tiers(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    request = _pb2.ListTiersRequest(page_size=MAX_PAGE_SIZE)
-    tiers = [tier_dict(tier) for tier in client.pages("ListTiers", request, "tiers")]
-    emit(out, args, tiers, TIER_COLUMNS)
-    return EXIT_OK
-
-
-def get_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    tier = client.call("GetTier", _pb2.GetTierRequest(name=names.tier_name(args.tier)))
-    emit_tier(out, args, tier)
-    return EXIT_OK
-
-
-def create_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    if args.rate is None and not args.exempt:
-        raise UsageError("create-tier needs a RATE, --exempt or both")
-    tier = client.call(
-        "CreateTier",
-        _pb2.CreateTierRequest(
-            tier_id=args.tier,
-            tier=_pb2.Tier(
-                tokens_per_second=args.rate or 0,
-                exempt=args.exempt,
-                weight=args.weight or 0.0,
-            ),
-        ),
-    )
-    emit_tier(out, args, tier)
-    return EXIT_OK
-
-
-def update_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    tier = _pb2.Tier(name=names.tier_name(args.tier))
-    request = _pb2.UpdateTierRequest(tier=tier, allow_missing=args.allow_missing)
-    if args.rate is not None:  # --rate N, or --no-rate (0)
-        request.tier.tokens_per_second = args.rate
-        request.update_mask.paths.append("tokens_per_second")
-    if args.exempt is not None:
-        request.tier.exempt = args.exempt
-        request.update_mask.paths.append("exempt")
-    if args.weight is not None:  # --weight W, or --no-weight (0)
-        request.tier.weight = args.weight
-        request.update_mask.paths.append("weight")
-    if not request.update_mask.paths:
-        raise UsageError(
-            "update-tier needs --rate, --no-rate, --exempt, --no-exempt, "
-            "--weight or --no-weight"
-        )
-    updated = client.call("UpdateTier", request)
-    if updated.tokens_per_second or updated.exempt:
-        emit_tier(out, args, updated)
-    elif args.json:
-        print_json(out, {"deleted_tier": args.tier})
-    else:
-        print(
-            f"tier {args.tier} has neither rate nor exemption left: deleted", file=out
-        )
-    return EXIT_OK
-
-
-def delete_tier(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    client.call(
-        "DeleteTier",
-        _pb2.DeleteTierRequest(
-            name=names.tier_name(args.tier), allow_missing=args.allow_missing
-        ),
-    )
-    if args.json:
-        print_json(out, {"deleted_tier": args.tier})
-    else:
-        print(f"deleted tier {args.tier}", file=out)
-    return EXIT_OK
-
-
-# -- teams --------------------------------------------------------------------
-
-
-def list_teams(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    request = _pb2.ListTeamsRequest(page_size=MAX_PAGE_SIZE)
-    teams = [team_dict(team) for team in client.pages("ListTeams", request, "teams")]
-    emit(out, args, teams, TEAM_COLUMNS)
-    return EXIT_OK
-
-
-def get_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    team = client.call("GetTeam", _pb2.GetTeamRequest(name=names.team_name(args.team)))
-    emit_team(out, args, team)
-    return EXIT_OK
-
-
-def create_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    team = client.call(
-        "CreateTeam",
-        _pb2.CreateTeamRequest(
-            team_id=args.team,
-            team=_pb2.Team(tokens_per_second=args.rate, weight=args.weight or 0.0),
-        ),
-    )
-    emit_team(out, args, team)
-    return EXIT_OK
-
-
-def update_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    team = _pb2.Team(name=names.team_name(args.team))
-    request = _pb2.UpdateTeamRequest(team=team, allow_missing=args.allow_missing)
-    if args.rate is not None:
-        request.team.tokens_per_second = args.rate
-        request.update_mask.paths.append("tokens_per_second")
-    if args.weight is not None:  # --weight W, or --no-weight (0)
-        request.team.weight = args.weight
-        request.update_mask.paths.append("weight")
-    if not request.update_mask.paths:
-        raise UsageError("teams update needs --rate, --weight or --no-weight")
-    emit_team(out, args, client.call("UpdateTeam", request))
-    return EXIT_OK
-
-
-def delete_team(client: Client, args: argparse.Namespace, out: TextIO) -> int:
-    client.call(
-        "DeleteTeam",
-        _pb2.DeleteTeamRequest(
-            name=names.team_name(args.team), allow_missing=args.allow_missing
-        ),
-    )
-    if args.json:
-        print_json(out, {"deleted_team": args.team})
-    else:
-        print(f"deleted team {args.team}", file=out)
-    return EXIT_OK
+# -- teams' state -------------------------------------------------------------
 
 
 def team_state(client: Client, args: argparse.Namespace, out: TextIO) -> int:

@@ -17,24 +17,18 @@ from typing import TextIO
 
 from control import names
 from control.cli.client import EXIT_OK, Client, UsageError
-from control.cli.render import (
-    encodes,
-    limit_dict,
-    print_error,
-    print_json,
-    team_dict,
-    tier_dict,
-)
+from control.cli.render import encodes, holder_dict, print_error, print_json
 from control.errors import InvalidArgument
+from control.kinds import TEAMS, TIERS, USERS
 from control.table import TableDocument, dumps, format_of, loads
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 
 def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     table = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
-    entries = [limit_dict(limit) for limit in table.limits]
-    tiers = [tier_dict(tier) for tier in table.tiers]
-    teams = [team_dict(team) for team in table.teams]
+    entries = [holder_dict(USERS, limit) for limit in table.limits]
+    tiers = [holder_dict(TIERS, tier) for tier in table.tiers]
+    teams = [holder_dict(TEAMS, team) for team in table.teams]
     doc = TableDocument(
         default_rate=table.default_tokens_per_second or None,
         user_rates={

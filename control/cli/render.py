@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from control import names
+from control.kinds import BY_HOLDER, Kind
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 _STATE_COLUMNS = (
@@ -50,27 +51,10 @@ _FAIR_SHARE_COLUMNS = (
 )
 #: The keys of ``_store_dict`` (``store_`` and one of them name a store column).
 _STORE_KEYS = ("held_tokens", "global_tat_lead_s", "global_tat_read_age_s", "health")
-LIMIT_COLUMNS = (
-    ("USER", "user"),
-    ("TOKENS/S", "tokens_per_second"),
-    ("TIER", "tier"),
-    ("EXEMPT", "exempt"),
-    ("WEIGHT", "weight"),
-    ("TEAM", "team"),
-)
-TIER_COLUMNS = (
-    ("TIER", "tier"),
-    ("TOKENS/S", "tokens_per_second"),
-    ("EXEMPT", "exempt"),
-    ("WEIGHT", "weight"),
-    ("MEMBERS", "member_count"),
-)
-TEAM_COLUMNS = (
-    ("TEAM", "team"),
-    ("TOKENS/S", "tokens_per_second"),
-    ("WEIGHT", "weight"),
-    ("MEMBERS", "member_count"),
-)
+#: The fields output shows first, in this order (``shown_fields``).
+_FIRST = ("tokens_per_second", "tier")
+#: Column titles other than the key's (``_title``).
+_TITLES = {"member_count": "MEMBERS"}
 TEAM_STATE_COLUMNS = (
     ("TEAM", "team"),
     ("TOKENS/S", "tokens_per_second"),
@@ -90,34 +74,41 @@ TEAM_STATE_COLUMNS = (
 # -- messages as dicts --------------------------------------------------------
 
 
-def limit_dict(limit: _pb2.Limit) -> dict[str, Any]:
-    return {
-        "user": names.limit_user(limit.name),
-        "tokens_per_second": limit.tokens_per_second or None,
-        "tier": names.tier_id(limit.tier) or None,
-        "exempt": limit.exempt,
-        "weight": limit.weight or None,
-        "team": names.team_id(limit.team) or None,
-    }
+def holder_dict(kind: Kind, holder: Any) -> dict[str, Any]:
+    """One holder of ``kind`` (a ``Limit``, ``Tier`` or ``Team``): its id, its
+    fields (``shown_fields``), its member count for a group. A field not set is
+    ``None``, but a flag is a boolean and a field the holder cannot lack is as
+    it is; a membership is the group's id."""
+    row: dict[str, Any] = {kind.holder: kind.id_of(holder.name)}
+    for field in shown_fields(kind):
+        value = getattr(holder, field)
+        if field in kind.references:
+            value = BY_HOLDER[field].id_of(value) or None
+        elif not isinstance(value, bool) and field not in kind.required:
+            value = value or None
+        row[field] = value
+    if kind.is_group:
+        row["member_count"] = holder.member_count
+    return row
 
 
-def tier_dict(tier: _pb2.Tier) -> dict[str, Any]:
-    return {
-        "tier": names.tier_id(tier.name),
-        "tokens_per_second": tier.tokens_per_second or None,
-        "exempt": tier.exempt,
-        "weight": tier.weight or None,
-        "member_count": tier.member_count,
-    }
+def shown_fields(kind: Kind) -> tuple[str, ...]:
+    """``kind.fields`` in the order output shows them: the rate, then the tier
+    (where a rate may come from), then the others."""
+    first = tuple(field for field in _FIRST if field in kind.fields)
+    return (*first, *(field for field in kind.fields if field not in first))
 
 
-def team_dict(team: _pb2.Team) -> dict[str, Any]:
-    return {
-        "team": names.team_id(team.name),
-        "tokens_per_second": team.tokens_per_second,
-        "weight": team.weight or None,
-        "member_count": team.member_count,
-    }
+def holder_columns(kind: Kind) -> tuple[tuple[str, str], ...]:
+    """The table of ``holder_dict``: a column per key, titled by it."""
+    counts = ("member_count",) if kind.is_group else ()
+    keys = (kind.holder, *shown_fields(kind), *counts)
+    return tuple((_TITLES.get(key, _title(key)), key) for key in keys)
+
+
+def _title(key: str) -> str:
+    """``TOKENS/S`` for ``tokens_per_second``, ``WEIGHT`` for ``weight``."""
+    return key.upper().replace("_PER_SECOND", "/S")
 
 
 def team_state_dict(state: _pb2.TeamState) -> dict[str, Any]:
@@ -201,16 +192,8 @@ def emit(
         print_table(out, rows, columns)
 
 
-def emit_limit(out: TextIO, args: argparse.Namespace, limit: _pb2.Limit) -> None:
-    emit(out, args, [limit_dict(limit)], LIMIT_COLUMNS, single=True)
-
-
-def emit_tier(out: TextIO, args: argparse.Namespace, tier: _pb2.Tier) -> None:
-    emit(out, args, [tier_dict(tier)], TIER_COLUMNS, single=True)
-
-
-def emit_team(out: TextIO, args: argparse.Namespace, team: _pb2.Team) -> None:
-    emit(out, args, [team_dict(team)], TEAM_COLUMNS, single=True)
+def emit_holder(out: TextIO, args: argparse.Namespace, kind: Kind, holder: Any) -> None:
+    emit(out, args, [holder_dict(kind, holder)], holder_columns(kind), single=True)
 
 
 def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> None:

@@ -39,8 +39,9 @@ change alone does not move it.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from control.errors import Aborted, FailedPrecondition, Unavailable
 from control.resources import Etags
@@ -50,7 +51,7 @@ from pacing.fair_share_policy import apply_policy
 from pacing.limiter import OutputRateLimiter
 from pacing.policy.document import FAIR_SHARE_KEY
 from pacing.shared import SharedLimiter
-from pacing.teams import Teams
+from pacing.teams import Teams, TeamTable
 
 #: Applies a change to the limiter at ``now_ns``; runs under the shared lock.
 Apply = Callable[[OutputRateLimiter, int], None]
@@ -141,6 +142,21 @@ class TableCommits:
         self.shared.wake()
         return etag
 
+    def commit_table(
+        self,
+        doc: TableDocument,
+        *,
+        users: Iterable[str] | None = None,
+        teams: TeamsApply | None = None,
+    ) -> str:
+        """Commits ``doc`` as the whole new table (``commit``), applied as if
+        each difference from the table in force were set one by one. ``users``
+        and ``teams``, when given, say what differs: the only users whose
+        limit may change, and the change of the teams. Requires self.changes."""
+        if users is None:
+            teams = replace_teams(doc, self.current())
+        return self.commit(doc, replace_with(doc, users), teams=teams)
+
     def check_fair_share(self, doc: TableDocument, *, field: str) -> None:
         """FailedPrecondition naming ``field`` when ``doc`` switches fair share
         on and the engine cannot run it."""
@@ -187,11 +203,10 @@ class TableCommits:
         assert doc.mode is not None  # current() always reads the mode
         try:
             backend.publish(
-                doc.default_rate,
-                doc.limit_table(),
-                doc.mode,
-                doc.share_policy(self.shared.fair_share.enabled),
-                doc.team_table(),
+                dataclasses.replace(
+                    doc.policy(),
+                    fair_share=doc.share_policy(self.shared.fair_share.enabled).enabled,
+                )
             )
         except global_limits.LimitsConflict:
             raise Aborted(
@@ -207,3 +222,34 @@ class TableCommits:
         """A table from another engine was applied: the table etag moves.
         Called with shared.lock held."""
         self._generation += 1
+
+
+def replace_with(doc: TableDocument, users: Iterable[str] | None = None) -> Apply:
+    """Applies the default and the whole table of ``doc`` (the core's table is
+    built here, off the scheduler lock); ``users``: the only users whose limit
+    may differ (None: any)."""
+    table = doc.limit_table()
+    default = doc.default_rate
+
+    def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
+        if default is not None and default != limiter.default_rate:
+            limiter.set_default_rate(default, now_ns)
+        limiter.replace_limits(table, now_ns, users)
+
+    return apply
+
+
+def replace_teams(doc: TableDocument, current: TableDocument) -> TeamsApply | None:
+    """Makes the teams of ``doc`` the teams (the table built here, off the
+    scheduler lock); None when they are those of ``current``."""
+    if (doc.team_rates, doc.team_members) == (
+        current.team_rates,
+        current.team_members,
+    ):
+        return None
+    table = TeamTable(doc.team_rates, doc.team_members)
+
+    def apply(teams: Teams, now_ns: int) -> None:
+        teams.replace(table, now_ns)
+
+    return apply

@@ -4,8 +4,10 @@ the runner and the config-file persistence call.
 ``LimitsService`` holds the table's commit machinery (``commits``) and the page
 tokens, and hands each operation to the module of its concern:
 
-- ``reads``: the default, entries, tiers, teams, the mode, the whole table;
-- ``writes``: changes of the default, an entry, a tier, a team or the mode;
+- ``holders``: the verbs of every kind of rate holder (``control.kinds``:
+  user entries, tiers, teams): get, list, create, update, delete;
+- ``reads``: the default, the mode, the whole table;
+- ``writes``: changes of the default or the mode;
 - ``table_writes``: replacing the whole table, reloading it from the config
   file;
 - ``write_requests``: the checks of a write request's own fields;
@@ -25,22 +27,26 @@ change of the table, the mode's with the mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from control.kinds import Kind
 from control.pagination import PageTokens
 from control.resources import (
-    Limit,
-    LimitSpec,
+    Holder,
+    HolderSpec,
     LimitsTable,
     PacingMode,
-    Team,
-    TeamSpec,
     TeamState,
-    Tier,
-    TierSpec,
     UserState,
 )
-from control.service import reads, table_writes, team_states, user_states, writes
+from control.service import (
+    holders,
+    reads,
+    table_writes,
+    team_states,
+    user_states,
+    writes,
+)
 from control.service.commits import TableCommits
 from control.service.user_states import (
     WatchPlan,
@@ -96,159 +102,60 @@ class LimitsService:
             self._commits, name, tokens_per_second, update_mask
         )
 
-    # -- one user's entry --------------------------------------------------
+    # -- the holders of every kind ------------------------------------------
 
-    def get_limit(self, name: str) -> Limit:
-        """The entry named ``limits/{user}``; NotFound without one."""
-        return reads.get_limit(self._commits, name)
+    def get(self, kind: Kind, name: str) -> Holder:
+        """The holder named ``{collection}/{id}``; NotFound without one."""
+        return holders.get(self._commits, kind, name)
 
-    def create_limit(
-        self,
-        limit_id: str,
-        tokens_per_second: int,
-        *,
-        tier: str = "",
-        exempt: bool = False,
-        weight: float = 0.0,
-        team: str = "",
-    ) -> Limit:
-        """Gives user ``limit_id`` an entry; AlreadyExists if it has one."""
-        return writes.create_limit(
-            self._commits,
-            limit_id,
-            tokens_per_second,
-            tier=tier,
-            exempt=exempt,
-            weight=weight,
-            team=team,
-        )
-
-    def update_limit(
-        self,
-        name: str,
-        tokens_per_second: int,
-        update_mask: Sequence[str],
-        *,
-        allow_missing: bool,
-        tier: str = "",
-        exempt: bool = False,
-        etag: str = "",
-        weight: float = 0.0,
-        team: str = "",
-    ) -> Limit:
-        """Changes the fields of entry ``name`` that ``update_mask`` selects;
-        see ``writes.update_limit``."""
-        return writes.update_limit(
-            self._commits,
-            name,
-            tokens_per_second,
-            update_mask,
-            allow_missing=allow_missing,
-            tier=tier,
-            exempt=exempt,
-            etag=etag,
-            weight=weight,
-            team=team,
-        )
-
-    def delete_limit(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
-        """Removes the entry ``name`` (the default applies again)."""
-        writes.delete_limit(self._commits, name, allow_missing=allow_missing, etag=etag)
-
-    def list_limits(self, page_size: int, page_token: str) -> tuple[list[Limit], str]:
-        """One page of entries in user id order, and the next page's token (""
+    def list_page(
+        self, kind: Kind, page_size: int, page_token: str
+    ) -> tuple[list[Holder], str]:
+        """One page of holders in id order, and the next page's token (""
         on the last page)."""
-        return reads.list_limits(self._commits, self._tokens, page_size, page_token)
-
-    # -- tiers -------------------------------------------------------------
-
-    def get_tier(self, name: str) -> Tier:
-        """The tier named ``tiers/{tier}``; NotFound without one."""
-        return reads.get_tier(self._commits, name)
-
-    def list_tiers(self, page_size: int, page_token: str) -> tuple[list[Tier], str]:
-        """One page of tiers in tier id order, and the next page's token (""
-        on the last page)."""
-        return reads.list_tiers(self._commits, self._tokens, page_size, page_token)
-
-    def create_tier(
-        self, tier_id: str, tokens_per_second: int, exempt: bool, weight: float = 0.0
-    ) -> Tier:
-        """Creates tier ``tier_id``; AlreadyExists if it exists."""
-        return writes.create_tier(
-            self._commits, tier_id, tokens_per_second, exempt, weight
+        return holders.list_page(
+            self._commits, kind, self._tokens, page_size, page_token
         )
 
-    def update_tier(
+    def create(
+        self, kind: Kind, holder_id: str, values: Mapping[str, object]
+    ) -> Holder:
+        """Creates holder ``holder_id`` with the fields ``values`` sets (wire
+        values: 0, false or "" for not set); AlreadyExists if it exists."""
+        return holders.create(self._commits, kind, holder_id, values)
+
+    def update(
         self,
+        kind: Kind,
         name: str,
-        tokens_per_second: int,
-        exempt: bool,
-        update_mask: Sequence[str],
+        values: Mapping[str, object],
+        update_mask: Sequence[str] = (),
         *,
-        allow_missing: bool,
+        allow_missing: bool = False,
         etag: str = "",
-        weight: float = 0.0,
-    ) -> Tier:
-        """Changes the fields of tier ``name`` that ``update_mask`` selects;
-        see ``writes.update_tier``."""
-        return writes.update_tier(
+    ) -> Holder:
+        """Changes the fields of holder ``name`` that ``update_mask`` selects
+        (empty: those set); see ``holders.update``."""
+        return holders.update(
             self._commits,
+            kind,
             name,
-            tokens_per_second,
-            exempt,
+            values,
             update_mask,
             allow_missing=allow_missing,
             etag=etag,
-            weight=weight,
         )
 
-    def delete_tier(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
-        """Removes tier ``name``; FailedPrecondition while it has members."""
-        writes.delete_tier(self._commits, name, allow_missing=allow_missing, etag=etag)
-
-    # -- teams -------------------------------------------------------------
-
-    def get_team(self, name: str) -> Team:
-        """The team named ``teams/{team}``; NotFound without one."""
-        return reads.get_team(self._commits, name)
-
-    def list_teams(self, page_size: int, page_token: str) -> tuple[list[Team], str]:
-        """One page of teams in team id order, and the next page's token (""
-        on the last page)."""
-        return reads.list_teams(self._commits, self._tokens, page_size, page_token)
-
-    def create_team(
-        self, team_id: str, tokens_per_second: int, weight: float = 0.0
-    ) -> Team:
-        """Creates team ``team_id``; AlreadyExists if it exists."""
-        return writes.create_team(self._commits, team_id, tokens_per_second, weight)
-
-    def update_team(
-        self,
-        name: str,
-        tokens_per_second: int,
-        update_mask: Sequence[str],
-        *,
-        allow_missing: bool,
-        etag: str = "",
-        weight: float = 0.0,
-    ) -> Team:
-        """Changes the fields of team ``name`` that ``update_mask`` selects;
-        see ``writes.update_team``."""
-        return writes.update_team(
-            self._commits,
-            name,
-            tokens_per_second,
-            update_mask,
-            allow_missing=allow_missing,
-            etag=etag,
-            weight=weight,
+    def delete(
+        self, kind: Kind, name: str, *, allow_missing: bool = False, etag: str = ""
+    ) -> None:
+        """Removes holder ``name``; FailedPrecondition while a group has
+        members."""
+        holders.delete(
+            self._commits, kind, name, allow_missing=allow_missing, etag=etag
         )
 
-    def delete_team(self, name: str, *, allow_missing: bool, etag: str = "") -> None:
-        """Removes team ``name``; FailedPrecondition while it has members."""
-        writes.delete_team(self._commits, name, allow_missing=allow_missing, etag=etag)
+    # -- team state --------------------------------------------------------
 
     def get_team_state(self, name: str) -> TeamState:
         """The state of the team named ``teamStates/{team}``; NotFound when
@@ -304,16 +211,14 @@ class LimitsService:
     def replace_limits_table(
         self,
         default_tokens_per_second: int,
-        limits: Iterable[LimitSpec],
-        etag: str,
-        tiers: Iterable[TierSpec] = (),
-        teams: Iterable[TeamSpec] = (),
+        holders: Mapping[Kind, Iterable[HolderSpec]],
+        etag: str = "",
     ) -> LimitsTable:
-        """Replaces the default, all entries, all tiers and all teams, weights
+        """Replaces the default and every holder of every kind, weights
         included, at once (not the mode nor the fair-share switch); Aborted
         when ``etag`` is not empty and not the current etag."""
         return table_writes.replace_limits_table(
-            self._commits, default_tokens_per_second, limits, etag, tiers, teams
+            self._commits, default_tokens_per_second, holders, etag
         )
 
     def reload(self, read: Callable[[], TableDocument | None]) -> bool:

@@ -8,8 +8,8 @@ rates, memberships of tiers and teams, sizes), then against the table etag under
 without being persisted, since it came from the config file.
 
 Invariant: the limiter and the teams take a new whole table in one apply under
-``shared.lock`` (``_replace_with``, ``_replace_teams``), so no read sees part
-of an old table and part of a new one.
+``shared.lock`` (``commits.replace_with``, ``commits.replace_teams``), so no
+read sees part of an old table and part of a new one.
 """
 
 from __future__ import annotations
@@ -18,29 +18,18 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from control import names
 from control.errors import Aborted, InvalidArgument
-from control.resources import LimitSpec, LimitsTable, TeamSpec, TierSpec, table_of
-from control.service.commits import Apply, TableCommits, TeamsApply
+from control.kinds import ALL, BY_HOLDER, Kind
+from control.resources import HolderSpec, LimitsTable, table_of
+from control.service.commits import TableCommits, replace_teams, replace_with
 from control.table import TableDocument, shown
-from pacing.limiter import OutputRateLimiter
-from pacing.policy.document import (
-    DEFAULT_RATE_KEY,
-    FAIR_SHARE_KEY,
-    RATE_KEY,
-    USERS_KEY,
-    parse,
-)
+from pacing.policy.document import DEFAULT_RATE_KEY, FAIR_SHARE_KEY, USERS_KEY, parse
 from pacing.policy.errors import PolicyError
-from pacing.policy.model import GROUP_KEYS, GroupKind
-from pacing.teams import Teams, TeamTable
+from pacing.policy.model import GROUP_KEYS
 
 
 def parse_table(
-    default_tokens_per_second: int,
-    limits: Iterable[LimitSpec],
-    tiers: Iterable[TierSpec],
-    teams: Iterable[TeamSpec] = (),
+    default_tokens_per_second: int, holders: Mapping[Kind, Iterable[HolderSpec]]
 ) -> TableDocument:
     """The table a ``ReplaceLimitsTable`` request holds, checked on its own by
     the policy's one validator (``pacing.policy.document``) once its resource
@@ -49,35 +38,20 @@ def parse_table(
     fair-share switch are None. A 0 stands for a field not set, as everywhere
     in the API."""
     fields: dict[tuple[str, str], str] = {}
-    tree: dict[str, Any] = {
-        DEFAULT_RATE_KEY: default_tokens_per_second,
-        GROUP_KEYS["tier"]: {},
-        GROUP_KEYS["team"]: {},
-        USERS_KEY: {},
-    }
-    for index, tier in enumerate(tiers):
-        where = f"limits_table.tiers[{index}]"
-        name = names.parse_tier(tier.name, field=f"{where}.name")
-        _add(tree, fields, "tier", name, where, _set_fields(tier, tier.exempt))
-    for index, team in enumerate(teams):
-        where = f"limits_table.teams[{index}]"
-        name = names.parse_team(team.name, field=f"{where}.name")
-        _add(tree, fields, "team", name, where, _set_fields(team, False))
-    for index, entry in enumerate(limits):
-        where = f"limits_table.limits[{index}]"
-        user = names.parse_user(entry.name, names.LIMITS, field=f"{where}.name")
-        if user in tree[USERS_KEY]:
-            raise InvalidArgument(
-                f"{where}.name: {shown(names.limit_name(user))} appears more than once"
-            )
-        fields[(USERS_KEY, user)] = where
-        others = bool(entry.tier or entry.team or entry.exempt or entry.weight)
-        own = _set_fields(entry, others)
-        if entry.tier:
-            own["tier"] = names.parse_tier(entry.tier, field=f"{where}.tier")
-        if entry.team:
-            own["team"] = names.parse_team(entry.team, field=f"{where}.team")
-        tree[USERS_KEY][user] = own
+    tree: dict[str, Any] = {DEFAULT_RATE_KEY: default_tokens_per_second}
+    for kind in sorted(ALL, key=lambda kind: not kind.is_group):  # groups first
+        key = GROUP_KEYS[kind.holder] if kind.is_group else USERS_KEY  # type: ignore[index]
+        part: dict[str, Any] = tree.setdefault(key, {})
+        for index, spec in enumerate(holders.get(kind, ())):
+            where = f"limits_table.{kind.collection}[{index}]"
+            holder_id = kind.parse(spec.name, field=f"{where}.name")
+            if holder_id in part:
+                raise InvalidArgument(
+                    f"{where}.name: {shown(kind.name(holder_id))} appears more "
+                    "than once"
+                )
+            fields[(key, holder_id)] = where
+            part[holder_id] = _holder_tree(kind, spec.values, where)
     try:
         document = parse(tree)
     except PolicyError as error:
@@ -85,36 +59,27 @@ def parse_table(
     return TableDocument.from_document(document)
 
 
-def _add(
-    tree: dict[str, Any],
-    fields: dict[tuple[str, str], str],
-    kind: GroupKind,
-    name: str,
-    where: str,
-    limits: dict[str, Any],
-) -> None:
-    """Puts group ``name``'s limits in ``tree``, refusing a second one."""
-    key = GROUP_KEYS[kind]
-    if name in tree[key]:
-        resource = names.tier_name(name) if kind == "tier" else names.team_name(name)
-        raise InvalidArgument(f"{where}.name: {shown(resource)} appears more than once")
-    fields[(key, name)] = where
-    tree[key][name] = limits
-
-
-def _set_fields(
-    spec: LimitSpec | TierSpec | TeamSpec, optional_rate: bool
+def _holder_tree(
+    kind: Kind, values: Mapping[str, object], where: str
 ) -> dict[str, Any]:
-    """The limits a spec sets: 0 and false stand for not set, but for a rate
-    that nothing else stands in for (checked as a rate then)."""
-    given: dict[str, Any] = {}
-    if spec.tokens_per_second or not optional_rate:
-        given[RATE_KEY] = spec.tokens_per_second
-    if getattr(spec, "exempt", False):
-        given["exempt"] = True
-    if spec.weight:
-        given["weight"] = spec.weight
-    return given
+    """A holder's object in the policy document: the fields set (0, false and
+    "" are not set), and a zero rate where nothing else makes the holder
+    exist (checked as a rate then)."""
+    own: dict[str, Any] = {}
+    for name in kind.fields:
+        value = values.get(name)
+        if not value:
+            continue
+        if name in kind.references:
+            own[name] = BY_HOLDER[name].parse(str(value), field=f"{where}.{name}")
+        else:
+            own[name] = value
+    first = kind.makes_exist[0]
+    if first not in own and (
+        first in kind.required or not set(own) & set(kind.makes_exist)
+    ):
+        own[first] = values.get(first, 0)
+    return own
 
 
 def _in_request(error: PolicyError, fields: Mapping[tuple[str, str], str]) -> str:
@@ -137,15 +102,13 @@ def _in_request(error: PolicyError, fields: Mapping[tuple[str, str], str]) -> st
 def replace_limits_table(
     commits: TableCommits,
     default_tokens_per_second: int,
-    limits: Iterable[LimitSpec],
+    holders: Mapping[Kind, Iterable[HolderSpec]],
     etag: str,
-    tiers: Iterable[TierSpec],
-    teams: Iterable[TeamSpec] = (),
 ) -> LimitsTable:
-    """Replaces the default, all entries, all tiers and all teams, weights
-    included, at once (not the mode nor the fair-share switch); Aborted when
-    ``etag`` is not empty and not the current etag."""
-    table = parse_table(default_tokens_per_second, limits, tiers, teams)
+    """Replaces the default and every holder of every kind, weights included,
+    at once (not the mode nor the fair-share switch); Aborted when ``etag`` is
+    not empty and not the current etag."""
+    table = parse_table(default_tokens_per_second, holders)
     with commits.changes:
         if etag and etag != commits.etag():
             raise Aborted(
@@ -156,10 +119,8 @@ def replace_limits_table(
         doc = dataclasses.replace(
             table, mode=current.mode, fair_share=current.fair_share
         )
-        new_etag = commits.commit(
-            doc, _replace_with(doc), teams=_replace_teams(doc, current)
-        )
-    return table_of(commits.etags, doc, new_etag)
+        new_etag = commits.commit_table(doc)
+    return table_of(commits.etags, doc.policy(), new_etag)
 
 
 def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> bool:
@@ -194,39 +155,9 @@ def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> b
         commits.check_fair_share(doc, field=FAIR_SHARE_KEY)
         commits.apply(
             doc,
-            _replace_with(doc) if table_changed else None,
+            replace_with(doc) if table_changed else None,
             table=table_changed,
-            teams=_replace_teams(doc, current),
+            teams=replace_teams(doc, current),
         )
     commits.shared.wake()
     return True
-
-
-def _replace_with(doc: TableDocument) -> Apply:
-    """Applies the default and the whole table of ``doc`` (the core's table is
-    built here, off the scheduler lock)."""
-    table = doc.limit_table()
-    default = doc.default_rate
-
-    def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
-        if default is not None and default != limiter.default_rate:
-            limiter.set_default_rate(default, now_ns)
-        limiter.replace_limits(table, now_ns)
-
-    return apply
-
-
-def _replace_teams(doc: TableDocument, current: TableDocument) -> TeamsApply | None:
-    """Makes the teams of ``doc`` the teams (the table built here, off the
-    scheduler lock); None when they are those of ``current``."""
-    if (doc.team_rates, doc.team_members) == (
-        current.team_rates,
-        current.team_members,
-    ):
-        return None
-    table = TeamTable(doc.team_rates, doc.team_members)
-
-    def apply(teams: Teams, now_ns: int) -> None:
-        teams.replace(table, now_ns)
-
-    return apply

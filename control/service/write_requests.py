@@ -11,14 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from control.errors import InvalidArgument
-from control.table import check_rate, shown
+from control.table import shown
 
-#: Update-mask paths: the rate is the only mutable field of ``DefaultLimit``.
+#: Update-mask paths of the singletons (the holders': ``control.kinds``): the
+#: rate is the only mutable field of ``DefaultLimit``.
 RATE_FIELD = "tokens_per_second"
-WEIGHT_FIELD = "weight"
-LIMIT_FIELDS = (RATE_FIELD, "tier", "exempt", WEIGHT_FIELD, "team")
-TIER_FIELDS = (RATE_FIELD, "exempt", WEIGHT_FIELD)
-TEAM_FIELDS = (RATE_FIELD, WEIGHT_FIELD)
 MODE_FIELDS = ("mode", "fair_share")
 
 
@@ -47,11 +44,3 @@ def mask_fields(
 def set_fields(set_: dict[str, bool]) -> set[str]:
     """The fields a request sets (non-default values), for an empty mask."""
     return {name for name, is_set in set_.items() if is_set}
-
-
-def entry_rate(rate: int, optional: bool, where: str) -> int | None:
-    """A resource's own rate: ``None`` for 0 when ``optional`` (it has a tier
-    or an exemption instead), else a valid rate."""
-    if rate == 0 and optional:
-        return None
-    return check_rate(rate, field=f"{where}.tokens_per_second")

@@ -10,6 +10,7 @@ import math
 import grpc
 import pytest
 
+from control.kinds import TIERS, USERS
 from control.service.operations import LimitsService
 from pacing.modes import Mode
 from protos.outputrate.v1 import output_rate_pb2 as pb
@@ -24,8 +25,8 @@ def rig():
     """alice 5/s of her own; tier free at 2/s with carol."""
     rig = make_rig(10, {"alice": 5})
     service = LimitsService(rig.shared)
-    service.create_tier("free", 2, False)
-    service.create_limit("carol", 0, tier="tiers/free")
+    service.create(TIERS, "free", {"tokens_per_second": 2})
+    service.create(USERS, "carol", {"tier": "tiers/free"})
     rig.wakes.clear()
     return rig
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from control.errors import FailedPrecondition, InvalidArgument
+from control.kinds import TIERS, USERS
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start
 from control.runner import serve
 from control.service.operations import LimitsService
@@ -85,8 +86,8 @@ def test_the_files_weights_and_switch_win_over_the_flags(path, rig):
 
 def test_every_change_of_weights_or_switch_is_written(path, rig):
     service, _ = started(path, rig)
-    service.update_limit("limits/dave", 0, ["weight"], allow_missing=True, weight=4)
-    service.update_tier("tiers/free", 0, False, ["weight"], allow_missing=False)
+    service.update(USERS, "limits/dave", {"weight": 4}, ["weight"], allow_missing=True)
+    service.update(TIERS, "tiers/free", {}, ["weight"])
     service.update_pacing_mode("", None, ["fair_share"], fair_share=True)
     doc = ConfigFile(path).load()
     assert doc.user_weights == {"alice": 2.0, "dave": 4.0}

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from control.errors import InvalidArgument
+from control.kinds import USERS
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start, merge
 from control.runner import serve
 from control.service.operations import LimitsService
@@ -257,7 +258,7 @@ def test_a_new_file_is_private_whatever_the_umask(path, umask, mask):
 def test_a_file_deleted_and_recreated_by_a_change_is_private(path, rig, umask):
     service, _ = started(path, rig)
     path.unlink()
-    service.update_limit("limits/alice", 6, [], allow_missing=False)
+    service.update(USERS, "limits/alice", {"tokens_per_second": 6})
     assert mode_of(path) == 0o600
 
 
@@ -328,7 +329,7 @@ def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
     rig = make_rig(None)
     file = ConfigFile(tmp_path / "limits.json")
     service = LimitsService(rig.shared, persist=file.write)
-    service.create_limit("a", 5)
+    service.create(USERS, "a", {"tokens_per_second": 5})
     assert file.load() == TableDocument(
         None, {"a": 5}, mode=Mode.ENFORCE, fair_share=False
     )
@@ -362,7 +363,7 @@ def watcher_for(path, rig, **kwargs) -> tuple[ConfigWatcher, LimitsService]:
 
 def test_our_own_writes_are_not_reapplied(path, rig):
     watcher, service = watcher_for(path, rig)
-    service.update_limit("limits/bob", 4, [], allow_missing=True)
+    service.update(USERS, "limits/bob", {"tokens_per_second": 4}, allow_missing=True)
     etag = service.get_limits_table("").etag
     assert watcher.poll() is False
     assert service.get_limits_table("").etag == etag
@@ -417,7 +418,7 @@ def test_a_deleted_file_keeps_the_table_and_is_recreated_by_the_next_change(path
     assert watcher.poll() is False
     assert watcher.failures == 1
     assert rig.limiter.rate_of("alice") == 5
-    service.update_limit("limits/alice", 6, [], allow_missing=False)
+    service.update(USERS, "limits/alice", {"tokens_per_second": 6})
     assert ConfigFile(path).load().user_rates == {"alice": 6}
 
 

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control.errors import InvalidArgument
+from control.kinds import USERS
 from control.runner import attach, serve
 from control.server import BindRefused
 from pacing.settings.model import ControlSettings, OutputRateSettings
@@ -78,9 +79,9 @@ def test_limit_changes_counts_committed_tables_the_start_up_load_included(
     try:
         service = plane.service
         assert service.limit_changes == at_start
-        service.update_limit("limits/alice", file_rate, [], allow_missing=False)
+        service.update(USERS, "limits/alice", {"tokens_per_second": file_rate})
         assert service.limit_changes == at_start + 1  # committed, though unchanged
-        service.delete_limit("limits/nobody", allow_missing=True)
+        service.delete(USERS, "limits/nobody", allow_missing=True)
         assert service.limit_changes == at_start + 1  # nothing to delete: no commit
     finally:
         plane.stop(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from control.kinds import TEAMS, USERS
 from control.service.operations import LimitsService
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
@@ -24,9 +25,9 @@ def rig():
     100/s with user-a; team beta at 50/s without members."""
     rig = make_rig(1000)
     service = LimitsService(rig.shared)
-    service.create_team("acme", 100)
-    service.create_team("beta", 50)
-    service.create_limit("user-a", 0, team="teams/acme")
+    service.create(TEAMS, "acme", {"tokens_per_second": 100})
+    service.create(TEAMS, "beta", {"tokens_per_second": 50})
+    service.create(USERS, "user-a", {"team": "teams/acme"})
     rig.wakes.clear()
     return rig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from control.kinds import TIERS, USERS
 from control.service.operations import LimitsService
 from control.table import MAX_TIERS
 from protos.outputrate.v1 import output_rate_pb2 as pb
@@ -24,9 +25,9 @@ def rig():
     """alice 5/s of her own; tier free at 2/s with carol; tier staff exempt."""
     rig = make_rig(10, {"alice": 5, "bob": 20})
     service = LimitsService(rig.shared)
-    service.create_tier("free", 2, False)
-    service.create_tier("staff", 0, True)
-    service.create_limit("carol", 0, tier="tiers/free")
+    service.create(TIERS, "free", {"tokens_per_second": 2})
+    service.create(TIERS, "staff", {"exempt": True})
+    service.create(USERS, "carol", {"tier": "tiers/free"})
     rig.wakes.clear()
     return rig
 
@@ -558,7 +559,8 @@ BAD_INPUT = [
             update_mask={"paths": ["etag"]},
         ),
         Invalid,
-        "update_mask: cannot update 'etag'; mutable: tokens_per_second, tier, exempt",
+        "update_mask: cannot update 'etag'; mutable: "
+        "tokens_per_second, exempt, weight, tier, team",
     ),
     (
         "update entry stale etag",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from control.kinds import USERS
 from control.plugin import register as register_control_plane
 from control.runner import ControlPlane
 from engine_ext.scheduler import OutputRateScheduler
@@ -153,7 +154,9 @@ def test_an_attached_control_plane_reports_its_counters_through_the_facade(
     try:
         [plane] = scheduler.output_rate_attachments
         assert isinstance(plane, ControlPlane)
-        plane.service.update_limit("limits/alice", 7, [], allow_missing=True)
+        plane.service.update(
+            USERS, "limits/alice", {"tokens_per_second": 7}, allow_missing=True
+        )
         snapshot = scheduler.output_rate_shared.control_snapshot()
         assert snapshot is not None and snapshot.limit_changes == 1
         assert scheduler.limiter.rate_of("alice") == 7

@@ -234,7 +234,7 @@ def test_every_cli_command_and_option_is_on_the_cli_page(pages):
         section = text.split(f"### `{name}`\n", 1)[1].split("\n### ", 1)[0]
         assert f"{parser.prog} [global options] {name}" in section
         for action in ref._visible_actions(sub):
-            for option in action.option_strings or [action.dest]:
+            for option in action.option_strings or [action.metavar or action.dest]:
                 assert option in section, (name, option)
     for action in ref._visible_actions(parser):
         assert f"| `{action.option_strings[0]}" in text

@@ -1,9 +1,11 @@
 """The limits table in the store (``store.limits_table``): the document's
-encoding and its checks, and the versioned, published writes, on ``fakeredis``
-and on a real ``redis-server``."""
+encoding (byte for byte what earlier versions wrote and read) and its checks,
+and the versioned, published writes, on ``fakeredis`` and on a real
+``redis-server``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -13,11 +15,13 @@ from pacing.fair_share_policy import SharePolicy
 from pacing.global_limits import LimitsVersion
 from pacing.limits import LimitTable
 from pacing.modes import Mode
+from pacing.policy.model import Limits, Policy, User
 from pacing.table_caps import MAX_EXPLICIT_LIMITS, MAX_TIERS
 from pacing.teams import TeamTable
-from store.limits_table import Limits, decode, encode
+from store.limits_table import decode, encode
 from store.redis_store import NO_TABLE, RedisStore, StaleLimits
 from tests import store_harness
+from tests.store_harness import stored_table
 
 client = store_harness.client_or_cluster
 
@@ -25,8 +29,8 @@ client = store_harness.client_or_cluster
 RATE = "must be an integer in 1..1000000 (tokens per second)"
 
 
-def full_table() -> Limits:
-    return Limits(
+def full_table() -> Policy:
+    return stored_table(
         30,
         LimitTable(
             user_rates={"alice": 10, "ünï": 7},
@@ -38,39 +42,231 @@ def full_table() -> Limits:
     )
 
 
-def same(a: Limits, b: Limits) -> bool:
+def same(a: Policy, b: Policy) -> bool:
     return encode(a) == encode(b)
 
 
 def test_a_document_decodes_to_the_table_it_encodes():
     limits = full_table()
     back = decode(encode(limits))
+    assert back == limits
+    table = back.limit_table()
     assert back.default_rate == 30
-    assert back.table.user_rates == {"alice": 10, "ünï": 7}
-    assert back.table.memberships == {"bob": "pro", "carol": "vip"}
-    assert back.table.exempt_users == {"ops"}
-    assert back.table.exempt_tiers == {"vip"}
-    assert back.table.overrides == limits.table.overrides
+    assert table.user_rates == {"alice": 10, "ünï": 7}
+    assert table.memberships == {"bob": "pro", "carol": "vip"}
+    assert table.exempt_users == {"ops"}
+    assert table.exempt_tiers == {"vip"}
+    assert table.overrides == limits.limit_table().overrides
 
 
 def test_the_mode_is_part_of_the_document():
-    limits = Limits(30, LimitTable(), Mode.SHADOW)
+    limits = stored_table(30, mode=Mode.SHADOW)
     assert json.loads(encode(limits))["mode"] == "shadow"
     assert decode(encode(limits)).mode is Mode.SHADOW
-    assert decode(encode(Limits(30, LimitTable()))).mode is Mode.ENFORCE
+    assert decode(encode(stored_table(30))).mode is Mode.ENFORCE
+
+
+def test_a_table_without_its_mode_or_switch_is_not_stored():
+    for unsaid in ({"mode": None}, {"fair_share": None}):
+        with pytest.raises(ValueError, match="says its mode and fair-share switch"):
+            encode(dataclasses.replace(full_table(), **unsaid))
 
 
 def test_the_fair_share_policy_travels_only_when_it_holds_something():
     plain = json.loads(encode(full_table()))
     assert "fair_share" not in plain and "weights" not in plain
-    assert decode(encode(full_table())).share == SharePolicy()
-    limits = Limits(
+    back = decode(encode(full_table()))
+    assert back.fair_share is False
+    assert back.share_policy() == SharePolicy()
+    limits = stored_table(
         30,
-        full_table().table,
+        full_table().limit_table(),
         share=SharePolicy(True, {"alice": 2.5}, {"pro": 4.0}),
     )
     back = decode(encode(limits))
-    assert back.share == SharePolicy(True, {"alice": 2.5}, {"pro": 4.0})
+    assert back.fair_share is True
+    assert back.share_policy() == SharePolicy(True, {"alice": 2.5}, {"pro": 4.0})
+
+
+# -- the document, byte for byte ------------------------------------------------
+# Engines of the previous version read the documents this one writes, and this
+# one reads theirs: each document below is the string the previous version's
+# code wrote for the table (computed with it, pasted here).
+
+FULL = (
+    '{"default_rate": 30, "exempt_tiers": ["vip"], "exempt_users": ["ops", "zed"], '
+    '"fair_share": true, "memberships": {"alice": "free", "bob": "pro", '
+    '"carol": "vip"}, "mode": "shadow", "team_members": {"alice": "acme", '
+    '"erin": "beta"}, "team_rates": {"acme": 60, "beta": 9}, "tier_rates": '
+    '{"free": 5, "pro": 200}, "user_rates": {"alice": 10, "ops": 4, "ünï": 7}, '
+    '"weights": {"teams": {"acme": 0.5}, "tiers": {"pro": 4.0}, "users": '
+    '{"alice": 2.5, "dan": 1.0}}}'
+)
+#: The plain document of ``DECODED``'s entries, with the mode each holds.
+PLAIN = (
+    '{"default_rate": 8, "exempt_tiers": [], "exempt_users": [], "memberships": '
+    '{}, "mode": "%s", "tier_rates": {}, "user_rates": {}}'
+)
+
+GOLDEN: dict[str, tuple[Policy, str]] = {
+    "bare": (
+        stored_table(12),
+        '{"default_rate": 12, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {}, "mode": "enforce", "tier_rates": {}, "user_rates": {}}',
+    ),
+    "pacing-off": (
+        stored_table(None, mode=Mode.OFF),
+        '{"default_rate": null, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {}, "mode": "off", "tier_rates": {}, "user_rates": {}}',
+    ),
+    "everything": (
+        stored_table(
+            30,
+            LimitTable(
+                user_rates={"alice": 10, "ünï": 7, "ops": 4},
+                tier_rates={"pro": 200, "free": 5},
+                memberships={"bob": "pro", "carol": "vip", "alice": "free"},
+                exempt_users={"ops", "zed"},
+                exempt_tiers={"vip"},
+            ),
+            Mode.SHADOW,
+            SharePolicy(True, {"alice": 2.5, "dan": 1.0}, {"pro": 4.0}, {"acme": 0.5}),
+            TeamTable({"acme": 60, "beta": 9}, {"alice": "acme", "erin": "beta"}),
+        ),
+        FULL,
+    ),
+    "weights-without-the-switch": (
+        stored_table(
+            7,
+            LimitTable(tier_rates={"pro": 20}, memberships={"bob": "pro"}),
+            share=SharePolicy(False, {"bob": 3.0}, {"pro": 2.0}),
+        ),
+        '{"default_rate": 7, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {"bob": "pro"}, "mode": "enforce", "tier_rates": '
+        '{"pro": 20}, "user_rates": {}, "weights": {"tiers": {"pro": 2.0}, '
+        '"users": {"bob": 3.0}}}',
+    ),
+    "the-switch-without-weights": (
+        stored_table(5, LimitTable(user_rates={"a": 1}), share=SharePolicy(True)),
+        '{"default_rate": 5, "exempt_tiers": [], "exempt_users": [], '
+        '"fair_share": true, "memberships": {}, "mode": "enforce", "tier_rates": '
+        '{}, "user_rates": {"a": 1}}',
+    ),
+    "teams-without-weights": (
+        stored_table(5, mode=Mode.OFF, teams=TeamTable({"t": 3}, {"u": "t"})),
+        '{"default_rate": 5, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {}, "mode": "off", "team_members": {"u": "t"}, '
+        '"team_rates": {"t": 3}, "tier_rates": {}, "user_rates": {}}',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_a_table_is_stored_as_the_document_the_previous_version_wrote(name):
+    table, document = GOLDEN[name]
+    assert encode(table) == document
+    assert decode(document) == table
+    assert decode(document.encode()) == table  # as Redis answers: bytes
+
+
+def test_the_policy_value_is_stored_as_its_tables_are():
+    """The policy written holder by holder is the one of the runtime tables
+    (``stored_table``): the same value, the same document."""
+    policy = Policy(
+        mode=Mode.SHADOW,
+        fair_share=True,
+        default=Limits(30),
+        groups={
+            "tier": {
+                "pro": Limits(200, weight=4.0),
+                "free": Limits(5),
+                "vip": Limits(exempt=True),
+            },
+            "team": {"acme": Limits(60, weight=0.5), "beta": Limits(9)},
+        },
+        users={
+            "alice": User(Limits(10, weight=2.5), {"tier": "free", "team": "acme"}),
+            "ünï": User(Limits(7)),
+            "ops": User(Limits(4, exempt=True)),
+            "zed": User(Limits(exempt=True)),
+            "bob": User(groups={"tier": "pro"}),
+            "carol": User(groups={"tier": "vip"}),
+            "dan": User(Limits(weight=1.0)),
+            "erin": User(groups={"team": "beta"}),
+        },
+    )
+    assert policy == GOLDEN["everything"][0]
+    assert encode(policy) == FULL
+
+
+#: Documents the previous version decoded that it never wrote in this form,
+#: each with the document of the table it decoded to (what it wrote back).
+DECODED = {
+    "null-mode": (
+        json.dumps({**json.loads(PLAIN % "shadow"), "mode": None}),
+        PLAIN % "enforce",
+    ),
+    "switch-off": (
+        json.dumps({**json.loads(PLAIN % "shadow"), "fair_share": False}),
+        PLAIN % "shadow",
+    ),
+    "empty-weights": (
+        json.dumps({**json.loads(PLAIN % "shadow"), "weights": {}}),
+        PLAIN % "shadow",
+    ),
+    "null-weights": (
+        json.dumps({**json.loads(PLAIN % "shadow"), "weights": None}),
+        PLAIN % "shadow",
+    ),
+    "empty-teams": (
+        json.dumps(
+            {**json.loads(PLAIN % "shadow"), "team_rates": {}, "team_members": {}}
+        ),
+        PLAIN % "shadow",
+    ),
+    "integer-weight": (
+        '{"default_rate": 8, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {}, "mode": "shadow", "tier_rates": {}, "user_rates": '
+        '{"a": 3}, "weights": {"users": {"a": 2}, "tiers": {}}}',
+        '{"default_rate": 8, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {}, "mode": "shadow", "tier_rates": {}, "user_rates": '
+        '{"a": 3}, "weights": {"tiers": {}, "users": {"a": 2.0}}}',
+    ),
+    "null-pieces": (
+        '{"default_rate": null, "exempt_tiers": [], "exempt_users": null, '
+        '"memberships": {}, "mode": "shadow", "tier_rates": {}, "user_rates": null}',
+        '{"default_rate": null, "exempt_tiers": [], "exempt_users": [], '
+        '"memberships": {}, "mode": "shadow", "tier_rates": {}, "user_rates": {}}',
+    ),
+    "unsorted-lists": (
+        '{"default_rate": 8, "exempt_tiers": ["x", "t"], "exempt_users": ["z", '
+        '"a"], "memberships": {"u": "x"}, "mode": "shadow", "tier_rates": {"t": 2}, '
+        '"user_rates": {}}',
+        '{"default_rate": 8, "exempt_tiers": ["t", "x"], "exempt_users": ["a", '
+        '"z"], "memberships": {"u": "x"}, "mode": "shadow", "tier_rates": {"t": 2}, '
+        '"user_rates": {}}',
+    ),
+    "object-entries": (
+        json.dumps(
+            {
+                **json.loads(PLAIN % "shadow"),
+                "user_rates": {"a": {"exempt": True, "weight": 2}},
+            }
+        ),
+        '{"default_rate": 8, "exempt_tiers": [], "exempt_users": ["a"], '
+        '"memberships": {}, "mode": "shadow", "tier_rates": {}, "user_rates": {}, '
+        '"weights": {"tiers": {}, "users": {"a": 2.0}}}',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODED))
+def test_a_document_the_previous_version_read_decodes_to_the_same_table(name):
+    document, written_back = DECODED[name]
+    policy = decode(document)
+    assert policy.mode is not None and policy.fair_share is not None
+    assert encode(policy) == written_back
+    assert decode(written_back) == policy
 
 
 @pytest.mark.parametrize(
@@ -116,14 +312,14 @@ def test_a_bad_fair_share_policy_is_refused(policy, message):
 def test_teams_round_trip_and_are_left_out_when_there_are_none():
     teams = TeamTable({"acme": 60}, {"alice": "acme"})
     share = SharePolicy(teams={"acme": 2.0})
-    limits = Limits(10, LimitTable(), teams=teams, share=share)
+    limits = stored_table(10, teams=teams, share=share)
     again = decode(encode(limits))
-    assert (again.teams.rates, again.teams.memberships) == (
+    assert (again.team_table().rates, again.team_table().memberships) == (
         {"acme": 60},
         {"alice": "acme"},
     )
-    assert dict(again.share.teams) == {"acme": 2.0}
-    plain = json.loads(encode(Limits(10, LimitTable())))
+    assert dict(again.share_policy().teams) == {"acme": 2.0}
+    plain = json.loads(encode(stored_table(10)))
     assert "team_rates" not in plain and "team_members" not in plain
 
 
@@ -155,7 +351,7 @@ def test_a_bad_team_part_is_refused(teams, message):
 
 
 def test_pacing_off_is_a_null_default():
-    assert decode(encode(Limits(None, LimitTable()))).default_rate is None
+    assert decode(encode(stored_table(None))).default_rate is None
 
 
 def document(**changes: object) -> str:
@@ -263,14 +459,14 @@ def test_there_is_no_table_until_one_is_written(client):
 def test_each_write_counts_on_with_a_fresh_stamp_and_is_read_back(client):
     store = RedisStore(client)
     first = store.write_limits(full_table(), None)
-    second = store.write_limits(Limits(5, LimitTable()), first)
+    second = store.write_limits(stored_table(5), first)
     assert (first.counter, second.counter) == (1, 2)
     assert first.stamp != second.stamp and len(second.stamp) == 16
     stored = store.read_limits()
     assert stored is not None
     version, limits = stored
     assert version == second == store.limits_version()
-    assert same(limits, Limits(5, LimitTable()))
+    assert same(limits, stored_table(5))
 
 
 def test_a_write_from_a_stale_version_is_refused_and_changes_nothing(client):
@@ -278,7 +474,7 @@ def test_a_write_from_a_stale_version_is_refused_and_changes_nothing(client):
     first = store.write_limits(full_table(), None)
     second = store.write_limits(full_table(), first)
     with pytest.raises(StaleLimits) as error:
-        store.write_limits(Limits(5, LimitTable()), first)
+        store.write_limits(stored_table(5), first)
     assert error.value.current == second
     stored = store.read_limits()
     assert stored is not None
@@ -292,19 +488,19 @@ def test_the_same_counter_with_another_stamp_is_stale(client):
     store = RedisStore(client)
     mine = store.write_limits(full_table(), None)
     client.flushall()
-    theirs = store.write_limits(Limits(5, LimitTable()), None)
+    theirs = store.write_limits(stored_table(5), None)
     assert theirs.counter == mine.counter
     with pytest.raises(StaleLimits):
         store.write_limits(full_table(), mine)
     stored = store.read_limits()
-    assert stored is not None and same(stored[1], Limits(5, LimitTable()))
+    assert stored is not None and same(stored[1], stored_table(5))
 
 
 def test_no_table_expected_writes_only_where_there_is_none(client):
     store = RedisStore(client)
     seeded = store.write_limits(full_table(), NO_TABLE)
     with pytest.raises(StaleLimits) as error:
-        store.write_limits(Limits(5, LimitTable()), NO_TABLE)
+        store.write_limits(stored_table(5), NO_TABLE)
     assert error.value.current == seeded
 
 

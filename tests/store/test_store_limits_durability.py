@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from control.errors import Unavailable
+from control.kinds import USERS
 from control.persistence import ConfigFile
 from control.runner import ControlPlane, serve
 from pacing.settings.model import ControlSettings
@@ -76,9 +77,7 @@ def start_files(tmp_path: Path, count: int) -> list[Path]:
 
 
 def revoke(target: FileEngine, user: str) -> None:
-    target.plane.service.update_limit(
-        f"limits/{user}", 0, ["exempt"], allow_missing=False, exempt=False
-    )
+    target.plane.service.update(USERS, f"limits/{user}", {}, ["exempt"])
 
 
 def test_a_revocation_holds_when_redis_loses_its_data_and_every_engine_restarts(
@@ -90,7 +89,7 @@ def test_a_revocation_holds_when_redis_loses_its_data_and_every_engine_restarts(
         file_engine(redis_url, paths[1]) as two,
     ):
         assert one.exempt() == two.exempt() == {"alice"}
-        one.plane.service.create_limit("bob", 0, exempt=True)
+        one.plane.service.create(USERS, "bob", {"exempt": True})
         revoke(two, "alice")
         revoke(one, "bob")
         wait_for(lambda: one.sync.version == two.sync.version, EVENTUALLY_S)
@@ -102,7 +101,7 @@ def test_a_revocation_holds_when_redis_loses_its_data_and_every_engine_restarts(
     ):
         wait_for(lambda: one.sync.version == two.sync.version, EVENTUALLY_S)
         assert one.exempt() == two.exempt() == frozenset()
-        assert stored(client)[1].table.exempt_users == frozenset()
+        assert stored(client)[1].limit_table().exempt_users == frozenset()
         assert (one.shared.limiter.default_rate, two.shared.limiter.default_rate) == (
             10,
             10,
@@ -137,7 +136,7 @@ def test_an_engine_with_an_older_file_seeding_first_is_overruled_by_a_newer_file
                 EVENTUALLY_S,
             )
             assert fresh.exempt() == frozenset()
-            assert stored(client)[1].table.exempt_users == frozenset()
+            assert stored(client)[1].limit_table().exempt_users == frozenset()
             assert fresh.sync.version is not None
             assert fresh.sync.version.counter == revoked_at.counter + 1
     assert "the limits table went back from version" in caplog.text
@@ -155,5 +154,6 @@ def test_a_change_the_file_cannot_keep_is_applied_everywhere_but_not_acknowledge
         with pytest.raises(Unavailable, match="could not save it to its limits file"):
             revoke(one, "alice")
         assert one.exempt() == frozenset()  # in force here
-        assert stored(client)[1].table.exempt_users == frozenset()  # and everywhere
+        everywhere = stored(client)[1].limit_table().exempt_users
+        assert everywhere == frozenset()
     assert "could not save it to its limits file" in caplog.text

@@ -28,13 +28,15 @@ from pacing import global_limits
 from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
 from pacing.modes import Mode
+from pacing.policy.model import Policy
 from pacing.settings.model import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from store.clients import connect
 from store.limits_sync import LimitsSync
-from store.limits_table import Limits, encode
+from store.limits_table import encode
 from store.redis_store import KeySpace, RedisStore
 from tests.control_harness import Rig, Served, make_rig, serving
+from tests.store_harness import stored_table
 from tools.redis_server import redis_server
 
 #: The issue's bound for a change to reach every engine.
@@ -117,7 +119,7 @@ def wait_for(condition: Callable[[], bool], deadline_s: float) -> float:
     return time.monotonic() - start
 
 
-def stored(client: redis.Redis) -> tuple[int, Limits]:
+def stored(client: redis.Redis) -> tuple[int, Policy]:
     """The stored table's version counter and table."""
     got = RedisStore(client).read_limits()
     assert got is not None
@@ -130,7 +132,7 @@ def counter_of(target: Engine) -> int | None:
     return None if version is None else version.counter
 
 
-def write_unannounced(client: redis.Redis, limits: Limits) -> int:
+def write_unannounced(client: redis.Redis, limits: Policy) -> int:
     """Another engine's write whose pub/sub message was lost: the next version
     and its document, published to nobody."""
     version = int(client.hget(KEYS.limits, "version")) + 1
@@ -166,7 +168,7 @@ def test_the_first_engine_seeds_the_store_and_the_next_takes_its_table(
         version, limits = stored(client)
         assert (version, counter_of(first), first.sync.applied) == (1, 1, 0)
         assert limits.default_rate == 10
-        assert limits.table.user_rates == {"alice": 5}
+        assert limits.limit_table().user_rates == {"alice": 5}
         assert limits.mode is Mode.SHADOW
         with engine(redis_url, default_rate=20, user_rates={"bob": 7}) as second:
             assert counter_of(second) == 1
@@ -210,7 +212,7 @@ def test_engines_starting_together_seed_exactly_once(redis_url, client, round_):
         for each in engines:
             assert counter_of(each) == 1
             assert each.limiter.default_rate == limits.default_rate
-            assert each.limiter.user_rates == limits.table.user_rates
+            assert each.limiter.user_rates == limits.limit_table().user_rates
 
 
 # -- changes spread ----------------------------------------------------------
@@ -301,7 +303,9 @@ def test_weights_and_the_fair_share_switch_reach_every_engine(redis_url, client)
         wait_for(lambda: second.rig.shared.fair_share.enabled, SPREAD_S)
         wait_for(lambda: refusing.sync.version == second.sync.version, SPREAD_S)
         limits = stored(client)[1]
-        assert (limits.share.enabled, dict(limits.share.users)) == (
+        share = limits.share_policy()
+        assert (limits.fair_share, share.enabled, dict(share.users)) == (
+            True,
             True,
             {"alice": 3.0},
         )
@@ -340,9 +344,9 @@ def test_teams_their_members_and_weights_reach_every_engine(redis_url, client):
             assert target.rig.shared.teams.table.rates == {"acme": 60}
             assert target.rig.shared.fair_share.weights.teams == {"acme": 2.0}
         limits = stored(client)[1]
-        assert limits.teams.rates == {"acme": 60}
-        assert limits.teams.memberships == {"alice": "acme"}
-        assert dict(limits.share.teams) == {"acme": 2.0}
+        assert limits.team_table().rates == {"acme": 60}
+        assert limits.team_table().memberships == {"alice": "acme"}
+        assert dict(limits.share_policy().teams) == {"acme": 2.0}
 
 
 def test_a_change_of_team_weights_alone_moves_the_table_and_is_counted(
@@ -373,9 +377,25 @@ def test_a_change_of_team_weights_alone_moves_the_table_and_is_counted(
         assert second.sync.applied == applied + 1
 
 
+def test_a_table_without_a_default_keeps_the_engines_and_is_no_change(
+    redis_url, client
+):
+    """The limiter cannot drop its default (pacing off): a stored table without
+    one, otherwise the table in force, is applied without moving the table etag
+    or being counted."""
+    with engine(redis_url, user_rates={"alice": 5}, period_s=0.05) as one:
+        etag, applied = table_etag(one), one.sync.applied
+        table = stored_table(None, LimitTable({"alice": 5}))
+        version = write_unannounced(client, table)
+        wait_for(lambda: counter_of(one) == version, EVENTUALLY_S)
+        assert one.limiter.default_rate == 10
+        assert table_etag(one) == etag
+        assert one.sync.applied == applied
+
+
 def test_a_lost_message_is_made_good_by_the_periodic_read(redis_url, client):
     with fleet(redis_url, 2, period_s=0.2) as engines:
-        version = write_unannounced(client, Limits(33, LimitTable({"bob": 3})))
+        version = write_unannounced(client, stored_table(33, LimitTable({"bob": 3})))
         took = wait_for(
             lambda: all(counter_of(e) == version for e in engines), EVENTUALLY_S
         )
@@ -396,7 +416,7 @@ def test_a_bad_document_is_ignored_and_the_table_in_force_stays(
         assert one.limiter.user_rates == {"alice": 5}
         assert caplog.text.count("ignored limits table version 2") == 1
         # A good version later still lands: the thread survived the bad one.
-        good = write_unannounced(client, Limits(12, LimitTable()))
+        good = write_unannounced(client, stored_table(12))
         wait_for(lambda: counter_of(one) == good, EVENTUALLY_S)
         assert one.limiter.default_rate == 12
         assert one.limiter.user_rates == {}
@@ -409,7 +429,7 @@ def test_a_change_from_a_stale_version_is_aborted_and_the_newer_table_applied(
     redis_url, client
 ):
     with fleet(redis_url, 2) as (first, second):
-        version = write_unannounced(client, Limits(42, LimitTable()))
+        version = write_unannounced(client, stored_table(42))
         error = error_of(
             first.stub.UpdateDefaultLimit,
             pb.UpdateDefaultLimitRequest(
@@ -593,7 +613,7 @@ def test_with_a_store_the_config_file_seeds_is_not_watched_and_keeps_each_versio
         sync = LimitsSync(RedisStore(client), rig.shared, period_s=NEVER_S)
         sync.start()
         try:
-            assert stored(client)[1].table.user_rates == {"alice": 3}
+            assert stored(client)[1].limit_table().user_rates == {"alice": 3}
             plane.service.update_default_limit("defaultLimit", 9, [])
             assert stored(client)[1].default_rate == 9
             assert rig.limiter.default_rate == 9

@@ -13,10 +13,9 @@ import grpc
 import pytest
 
 from pacing import global_limits
-from pacing.limits import LimitTable
 from pacing.table_caps import MAX_EXPLICIT_LIMITS, MAX_TIERS
 from protos.outputrate.v1 import output_rate_pb2 as pb
-from store.limits_table import Limits, encode
+from store.limits_table import encode
 from tests.store import test_store_limits_sync as sync_tests
 from tests.store.test_store_limits_sync import (
     EVENTUALLY_S,
@@ -29,6 +28,7 @@ from tests.store.test_store_limits_sync import (
     stored,
     wait_for,
 )
+from tests.store_harness import stored_table
 
 client = sync_tests.client
 #: Passes of a 0.05 s sync period after a refusal, in which no second line may come.
@@ -117,7 +117,7 @@ def stored_or_none(client):
 
 
 def _with(**fields) -> str:
-    raw = json.loads(encode(Limits(12, LimitTable())))
+    raw = json.loads(encode(stored_table(12)))
     raw.update(fields)
     return json.dumps(raw)
 
