@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from control.errors import InvalidArgument
 from control.table import check_user, shown
-from pacing.policy.model import ATTRIBUTES, KINDS, GroupKind
+from pacing.policy.model import ATTRIBUTES, KINDS, GroupKind, Limits
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,38 @@ class Kind:
                 f"{field} must look like {prefix}{{{self.holder}}}, got {shown(name)}"
             )
         return check_user(name[len(prefix) :], field=f"{self.holder} id in {field}")
+
+    def wire(
+        self, limits: Limits, groups: Mapping[GroupKind, str]
+    ) -> dict[str, object]:
+        """Each field as the API carries it: 0, false or "" for none, a
+        membership as the group's resource name."""
+        values: dict[str, object] = {}
+        for name in self.attributes:
+            value = getattr(limits, name)
+            values[name] = 0 if value is None else value
+        for kind in self.references:
+            group = groups.get(kind)
+            values[kind] = "" if group is None else BY_HOLDER[kind].name(group)
+        return values
+
+    def unwire(
+        self, values: Mapping[str, object]
+    ) -> tuple[Limits, dict[GroupKind, str]]:
+        """The limits and memberships that wire ``values`` say, as the server
+        sent them (not checked again)."""
+        defaults = Limits()
+        given: dict[str, Any] = {
+            name: values[name] if values.get(name) else getattr(defaults, name)
+            for name in self.attributes
+        }
+        limits = Limits(**given)
+        groups = {
+            kind: BY_HOLDER[kind].id_of(str(values[kind]))
+            for kind in self.references
+            if values.get(kind)
+        }
+        return limits, groups
 
     def check_id(self, holder_id: str, *, field: str) -> str:
         """``holder_id`` if it is a valid id (the user-id rule)."""

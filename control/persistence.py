@@ -55,6 +55,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -66,15 +67,12 @@ from pathlib import Path
 
 from control.errors import ControlError, InvalidArgument
 from control.service.operations import LimitsService
-from control.table import TableDocument, dumps, format_of, loads
-from pacing.fair_share_policy import SharePolicy
+from control.table import dumps, format_of, loads
 from pacing.global_limits import LimitsVersion
-from pacing.limits import LimitTable
-from pacing.modes import Mode
 from pacing.periodic import Periodic
-from pacing.policy.document import DEFAULT_RATE_KEY
+from pacing.policy.document import DEFAULT_RATE_KEY, Document
+from pacing.policy.model import Policy
 from pacing.settings.flags import DEFAULT_RATE_FLAG, POLICY_FLAG
-from pacing.teams import TeamTable
 
 # Under vLLM's logger: inside a vLLM server its handlers, format and level apply.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -87,29 +85,11 @@ _YAML_HEADER = (
 )
 
 
-def merge(flags: TableDocument, file: TableDocument) -> TableDocument:
-    """``flags`` overlaid by ``file``: the file's default, mode, switch, user
-    limits, team rates and weights win; its tiers, teams, memberships (of
-    tiers and of teams) and exemptions are added (the etag dropped, the file's
-    store version kept)."""
-    return TableDocument(
-        default_rate=(
-            file.default_rate if file.default_rate is not None else flags.default_rate
-        ),
-        user_rates={**flags.user_rates, **file.user_rates},
-        tier_rates={**flags.tier_rates, **file.tier_rates},
-        exempt_tiers=flags.exempt_tiers | file.exempt_tiers,
-        memberships={**flags.memberships, **file.memberships},
-        exempt_users=flags.exempt_users | file.exempt_users,
-        mode=file.mode if file.mode is not None else flags.mode,
-        user_weights={**flags.user_weights, **file.user_weights},
-        tier_weights={**flags.tier_weights, **file.tier_weights},
-        fair_share=file.fair_share if file.fair_share is not None else flags.fair_share,
-        team_rates={**flags.team_rates, **file.team_rates},
-        team_members={**flags.team_members, **file.team_members},
-        team_weights={**flags.team_weights, **file.team_weights},
-        store_version=file.store_version,
-    )
+def merge(flags: Policy, file: Document) -> Document:
+    """``flags`` overlaid by ``file`` (``Policy.overlaid``): the file's default,
+    mode, switch and each attribute and membership it sets win; what it leaves
+    unset stays the flags' (the etag dropped, the file's store version kept)."""
+    return Document(flags.overlaid(file.policy), None, file.store_version)
 
 
 class ConfigFile:
@@ -128,7 +108,7 @@ class ConfigFile:
         self._lock = threading.Lock()
         self._seen: bytes | None = None  # hash of the content last read or written
 
-    def load(self) -> TableDocument | None:
+    def load(self) -> Document | None:
         """The file's table, or ``None`` when there is no file; InvalidArgument
         naming the file and field when it does not parse or validate."""
         with self._lock:
@@ -140,7 +120,7 @@ class ConfigFile:
             self._seen = _hash(data)
             return self._parse(data)
 
-    def read_if_changed(self) -> TableDocument | None:
+    def read_if_changed(self) -> Document | None:
         """The file's table if its content differs from what was last seen, else
         ``None``. A bad new content raises InvalidArgument once and is then seen
         (no repeated error until the next edit); a vanished file raises OSError
@@ -159,11 +139,12 @@ class ConfigFile:
             self._seen = digest
             return self._parse(data)
 
-    def write(self, doc: TableDocument) -> None:
-        """Replaces the file with ``doc`` atomically and durably, keeping an
-        existing file's mode, owner and group (a new file gets ``0600``);
-        logs and raises OSError (leaving no temp file) when that fails."""
-        text = dumps(doc, self.format)
+    def write(self, policy: Policy, store_version: LimitsVersion | None = None) -> None:
+        """Replaces the file with ``policy`` (and the store version it is)
+        atomically and durably, keeping an existing file's mode, owner and
+        group (a new file gets ``0600``); logs and raises OSError (leaving no
+        temp file) when that fails."""
+        text = dumps(Document(policy, None, store_version), self.format)
         if self.format == "yaml":
             text = _YAML_HEADER + text
         data = text.encode()
@@ -195,7 +176,7 @@ class ConfigFile:
     def _target(self) -> Path:
         return self._directory_path / self._name
 
-    def _parse(self, data: bytes) -> TableDocument:
+    def _parse(self, data: bytes) -> Document:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -208,20 +189,18 @@ class ConfigFile:
             ) from None
 
 
-def load_at_start(
-    file: ConfigFile, flags: TableDocument, *, create: bool = True
-) -> TableDocument:
+def load_at_start(file: ConfigFile, flags: Policy, *, create: bool = True) -> Document:
     """The table to start with: ``flags`` overlaid by the file, or ``flags``
     (written as a new file when ``create``) when there is none. Raises
     InvalidArgument for a bad file or when neither gives a default limit (the
     policy would limit nobody), OSError when the file cannot be read or
     created."""
-    doc = file.load()
-    table = flags if doc is None else merge(flags, doc)
-    check_default(table.default_rate, str(file.path))
-    if doc is None and create:
+    found = file.load()
+    start = Document(flags) if found is None else merge(flags, found)
+    check_default(start.policy.default_rate, str(file.path))
+    if found is None and create:
         file.write(flags)
-    return table
+    return start
 
 
 def check_default(default_rate: int | None, path: str) -> None:
@@ -246,33 +225,9 @@ class FileCopy:
     def saved_version(self) -> LimitsVersion | None:
         return self._version
 
-    def save(
-        self,
-        default_rate: int | None,
-        table: LimitTable,
-        mode: Mode,
-        share: SharePolicy,
-        teams: TeamTable,
-        version: LimitsVersion,
-    ) -> None:
-        self._file.write(
-            TableDocument(
-                default_rate=default_rate,
-                user_rates=table.user_rates,
-                tier_rates=table.tier_rates,
-                exempt_tiers=table.exempt_tiers,
-                memberships=table.memberships,
-                exempt_users=table.exempt_users,
-                mode=mode,
-                user_weights=dict(share.users),
-                tier_weights=dict(share.tiers),
-                fair_share=share.enabled,
-                team_weights=dict(share.teams),
-                team_rates=teams.rates,
-                team_members=teams.memberships,
-                store_version=version,
-            )
-        )
+    def save(self, policy: Policy, version: LimitsVersion) -> None:
+        switch = bool(policy.fair_share)
+        self._file.write(dataclasses.replace(policy, fair_share=switch), version)
         self._version = version
 
 
@@ -284,7 +239,7 @@ class ConfigWatcher:
         self,
         file: ConfigFile,
         service: LimitsService,
-        flags: TableDocument,
+        flags: Policy,
         *,
         interval_s: float = DEFAULT_POLL_INTERVAL_S,
     ) -> None:
@@ -335,7 +290,7 @@ class ConfigWatcher:
             self._reject("unexpected error")
             logger.exception("checking %s failed", self._file.path)
 
-    def _read(self) -> TableDocument | None:
+    def _read(self) -> Policy | None:
         try:
             doc = self._file.read_if_changed()
         except InvalidArgument as exc:
@@ -351,7 +306,7 @@ class ConfigWatcher:
                 "cannot read the config file, keeping the last good table: %s", exc
             )
             return None
-        return None if doc is None else merge(self._flags, doc)
+        return None if doc is None else merge(self._flags, doc).policy
 
     def _reject(self, error: str) -> None:
         self._failures += 1

@@ -69,7 +69,8 @@ def check_config_file(path: str, default_rate: int | None) -> None:
         file = ConfigFile(path)
         doc = file.load()
         check_default(
-            default_rate if doc is None else doc.default_rate or default_rate, path
+            default_rate if doc is None else doc.policy.default_rate or default_rate,
+            path,
         )
         if doc is not None:
             return

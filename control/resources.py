@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from control.errors import Aborted, NotFound
-from control.kinds import ALL, BY_HOLDER, Kind
+from control.kinds import ALL, Kind
 from control.table import shown
 from pacing.budget import StoreView
 from pacing.limiter import LimitSource
@@ -46,14 +46,9 @@ class Holder:
     def name(self) -> str:
         return self.kind.name(self.id)
 
-    def wire(self, name: str) -> object:
-        """Field ``name`` as the API carries it: 0, false or "" for none, a
-        membership as the group's resource name."""
-        if name in self.kind.references:
-            group = self.groups.get(name)
-            return "" if group is None else BY_HOLDER[name].name(group)
-        value = getattr(self.limits, name)
-        return value if value is not None else 0
+    def wire(self) -> dict[str, object]:
+        """Each field of its kind as the API carries it (``Kind.wire``)."""
+        return self.kind.wire(self.limits, self.groups)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,11 @@ from control.persistence import (
 )
 from control.server import ControlServer, create_server
 from control.service.operations import LimitsService
-from control.table import TableDocument, table_in_force
+from control.table import table_in_force
 from pacing import global_limits
 from pacing.modes import Mode
+from pacing.policy.document import Document
+from pacing.policy.model import Policy
 from pacing.settings.flags import ADDRESS_FLAG
 from pacing.settings.model import ControlSettings, OutputRateSettings
 from pacing.shared import ControlPlaneSnapshot, SharedLimiter
@@ -111,10 +113,10 @@ def serve(
         persist=None if file is None or global_store else file.write,
         global_store=global_store,
     )
-    start_table = flags if file is None else load_at_start(file, flags)
-    service.reload(lambda: start_table)
+    start = Document(flags) if file is None else load_at_start(file, flags)
+    service.reload(lambda: start.policy)
     if global_store:
-        _keep_durably(shared, file, start_table)
+        _keep_durably(shared, file, start)
     watcher = None
     if file is not None and not global_store:
         watcher = ConfigWatcher(file, service, flags, interval_s=poll_interval_s)
@@ -150,15 +152,15 @@ def serve(
     return plane
 
 
-def _flags_table(shared: SharedLimiter, mode: Mode | None) -> TableDocument:
-    """The table ``shared`` holds (the flags'), with ``mode`` (else its own)."""
+def _flags_table(shared: SharedLimiter, mode: Mode | None) -> Policy:
+    """The policy ``shared`` holds (the flags'), with ``mode`` (else its own)."""
     with shared.lock:
-        table = table_in_force(shared)
-    return table if mode is None else dataclasses.replace(table, mode=mode)
+        policy = table_in_force(shared)
+    return policy if mode is None else dataclasses.replace(policy, mode=mode)
 
 
 def _keep_durably(
-    shared: SharedLimiter, file: ConfigFile | None, start_table: TableDocument
+    shared: SharedLimiter, file: ConfigFile | None, start: Document
 ) -> None:
     """Makes ``file`` the durable copy of the store's table (before the store's
     sync starts: it starts from the file's version)."""
@@ -169,7 +171,7 @@ def _keep_durably(
             "every engine --user-output-rate-config to keep them)"
         )
         return
-    global_limits.hub(shared).durable = FileCopy(file, start_table.store_version)
+    global_limits.hub(shared).durable = FileCopy(file, start.store_version)
 
 
 def attach(shared: SharedLimiter, settings: OutputRateSettings) -> ControlPlane | None:
@@ -208,5 +210,5 @@ def _start_from_file(shared: SharedLimiter, path: str, mode: Mode) -> None:
     the file's limits from its first step, not only once the store's table
     arrives."""
     flags = _flags_table(shared, mode)
-    start_table = load_at_start(ConfigFile(path), flags, create=False)
-    LimitsService(shared).reload(lambda: start_table)
+    start = load_at_start(ConfigFile(path), flags, create=False)
+    LimitsService(shared).reload(lambda: start.policy)

@@ -311,7 +311,7 @@ def _message(holder: Holder, reply: type[M] | None = None) -> M:
     """``holder`` as its kind's message (``reply``): every field of the kind,
     by name."""
     kind = holder.kind
-    fields = {name: holder.wire(name) for name in kind.fields}
+    fields = holder.wire()
     if kind.is_group:
         fields["member_count"] = holder.member_count
     message = getattr(_pb2, kind.title) if reply is None else reply

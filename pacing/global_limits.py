@@ -40,12 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from pacing.fair_share_policy import SharePolicy
-from pacing.limits import LimitTable
-from pacing.modes import Mode
 from pacing.policy.model import Policy
 from pacing.shared import SharedLimiter
-from pacing.teams import TeamTable
 
 #: A stamp: what ``secrets.token_hex`` draws, or empty (a table written without).
 _STAMP: Final = re.compile(r"[0-9a-f]{0,64}")
@@ -115,17 +111,10 @@ class DurableCopy(Protocol):
         with a version, e.g. a new file)."""
         ...
 
-    def save(
-        self,
-        default_rate: int | None,
-        table: LimitTable,
-        mode: Mode,
-        share: SharePolicy,
-        teams: TeamTable,
-        version: LimitsVersion,
-    ) -> None:
-        """Replaces the saved table by this one, store version ``version``.
-        Raises OSError (the copy is then unchanged)."""
+    def save(self, policy: Policy, version: LimitsVersion) -> None:
+        """Replaces the saved table by ``policy`` (its mode and switch set),
+        store version ``version``. Raises OSError (the copy is then
+        unchanged)."""
         ...
 
 

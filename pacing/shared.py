@@ -36,15 +36,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import TypeVar
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.budget import BudgetSource
 from pacing.fair_share import FairShare
+from pacing.fair_share_policy import policy_of as share_policy_of
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
+from pacing.policy.model import Policy, policy_of
 from pacing.recent_rate import NS_PER_S, RecentRates
 from pacing.store_stats import StoreStats
 from pacing.teams import TeamBudget, Teams
@@ -148,6 +150,16 @@ class SharedLimiter:
         #: a member's weight inside its team is its fair-share weight.
         self.teams = Teams(burst_ns=limiter.burst_ns) if teams is None else teams
         self.teams.weight_of = self._member_weight
+        #: The policy in force: what the limiter's table, the teams and the
+        #: weights were built from (its mode and switch aside: ``mode`` and
+        #: ``fair_share.enabled`` hold them). Replaced with them, in the same
+        #: hold of the lock, by whatever applies a new table.
+        self.policy = policy_of(
+            default_rate=limiter.default_rate,
+            table=limiter.limits(),
+            teams=self.teams.table,
+            share=share_policy_of(self.fair_share),
+        )
         self._team_budget: TeamBudget | None = None
 
     @property
@@ -164,6 +176,11 @@ class SharedLimiter:
                 base, self.teams, self.limiter.rate_of
             )
         return team_budget
+
+    def policy_in_force(self) -> Policy:
+        """The policy in force with its mode and fair-share switch (copies:
+        the caller may keep it). Requires the lock."""
+        return replace(self.policy, mode=self.mode, fair_share=self.fair_share.enabled)
 
     def _member_weight(self, user: str) -> float:
         return self.fair_share.weights.of(user, self.limiter.tier_of(user))

@@ -68,12 +68,12 @@ import threading
 import time
 from typing import Any
 
-from pacing import fair_share_policy, global_limits
+from pacing import global_limits
 from pacing.fair_share_policy import apply_policy
 from pacing.global_limits import LimitsVersion
 from pacing.limiter import OutputRateLimiter
 from pacing.limits import LimitTable
-from pacing.policy.model import Policy, policy_of
+from pacing.policy.model import Policy
 from pacing.shared import SharedLimiter
 from store.redis_store import (
     NO_TABLE,
@@ -248,14 +248,7 @@ class LimitsSync:
             return True
         assert policy.mode is not None  # encode refuses, decode sets it
         try:
-            durable.save(
-                policy.default_rate,
-                policy.limit_table(),
-                policy.mode,
-                policy.share_policy(),
-                policy.team_table(),
-                version,
-            )
+            durable.save(policy, version)
         except OSError as error:
             logger.error(
                 "output-rate store: limits version %s is in force but this "
@@ -268,21 +261,8 @@ class LimitsSync:
 
     def _local(self) -> Policy:
         """The policy in force here, its mode and fair-share switch set."""
-        shared = self._shared
-        with shared.lock:  # copies only; the policy is built off the lock
-            limiter = shared.limiter
-            default, mode = limiter.default_rate, shared.mode
-            entries = _entries(limiter)
-            share = fair_share_policy.policy_of(shared.fair_share)
-            teams = shared.teams.table.copy()
-        return policy_of(
-            default_rate=default,
-            table=LimitTable(*entries),
-            teams=teams,
-            share=share,
-            mode=mode,
-            fair_share=share.enabled,
-        )
+        with self._shared.lock:
+            return self._shared.policy_in_force()
 
     def _apply(self, version: LimitsVersion, policy: Policy) -> bool:
         shared = self._shared
@@ -302,6 +282,7 @@ class LimitsSync:
         default, wanted = policy.default_rate, _entries(table)
         mode = policy.mode
         assert mode is not None  # decode sets it
+        in_force = dataclasses.replace(policy, mode=None, fair_share=None)
         with shared.lock:
             limiter = shared.limiter
             now_ns = shared.clock()
@@ -317,6 +298,7 @@ class LimitsSync:
                 shared.teams.replace(teams, now_ns)
             was_enabled = shared.fair_share.enabled
             apply_policy(shared.fair_share, share)
+            shared.policy = in_force
             switched = shared.fair_share.enabled != was_enabled
             if changed:
                 self._hub.table_changed()

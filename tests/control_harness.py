@@ -5,8 +5,10 @@ servers."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -14,7 +16,12 @@ from control.server import ControlServer, TlsConfig, create_server
 from control.service.operations import LimitsService
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
+from pacing.modes import Mode
+from pacing.policy.document import Document, parse
+from pacing.policy.flat import tree_of
+from pacing.policy.model import Policy
 from pacing.shared import RequestCounts, SharedLimiter
+from pacing.teams import Teams, TeamTable
 from protos.outputrate.v1 import output_rate_pb2_grpc
 from tools.fake_clock import FakeClock
 
@@ -66,17 +73,26 @@ class Rig:
 
 
 def make_rig(
-    default_rate: int | None = 10, user_rates: Mapping[str, int] | None = None
+    default_rate: int | None = 10,
+    user_rates: Mapping[str, int] | None = None,
+    *,
+    teams: TeamTable | None = None,
 ) -> Rig:
+    """A shared limiter with these flags' table (``teams``: the flags' teams)."""
     clock = FakeClock()
     counts = Counts()
     wakes: list[int] = []
+    limiter = OutputRateLimiter(default_rate, dict(user_rates or {}))
+    held_teams = Teams(burst_ns=limiter.burst_ns)
+    if teams is not None:
+        held_teams.replace(teams, clock())
     shared = SharedLimiter(
-        OutputRateLimiter(default_rate, dict(user_rates or {})),
+        limiter,
         Accounting(),
         clock,
         counts,
         wake=lambda: wakes.append(clock()),
+        teams=held_teams,
     )
     return Rig(clock, counts, shared, wakes)
 
@@ -124,3 +140,65 @@ def serving(
     finally:
         channel.close()
         server.stop(0).wait()
+
+
+def table(
+    default_rate: int | None = None,
+    user_rates: Mapping[str, int] | None = None,
+    *,
+    mode: Mode | None = None,
+    fair_share: bool | None = None,
+    **pieces: Any,
+) -> Policy:
+    """The policy of these flat pieces (``pacing.policy.flat``), checked by the
+    one validator; ``mode`` and ``fair_share`` as given (``False`` kept)."""
+    tree = tree_of({"default_rate": default_rate, "user_rates": user_rates, **pieces})
+    policy = parse(tree).policy
+    return dataclasses.replace(policy, mode=mode, fair_share=fair_share)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A policy's flat pieces, for assertions about one of them."""
+
+    default_rate: int | None
+    user_rates: dict[str, int]
+    tier_rates: dict[str, int]
+    exempt_tiers: frozenset[str]
+    memberships: dict[str, str]
+    exempt_users: frozenset[str]
+    user_weights: dict[str, float]
+    tier_weights: dict[str, float]
+    team_rates: dict[str, int]
+    team_members: dict[str, str]
+    team_weights: dict[str, float]
+    mode: Mode | None
+    fair_share: bool | None
+    users: frozenset[str]
+
+
+def pieces(of: Policy | Document | None) -> Pieces:
+    """The flat pieces of a policy (or of a document's)."""
+    assert of is not None
+    policy = of.policy if isinstance(of, Document) else of
+    limits, teams, share = (
+        policy.limit_table(),
+        policy.team_table(),
+        policy.share_policy(),
+    )
+    return Pieces(
+        policy.default_rate,
+        limits.user_rates,
+        limits.tier_rates,
+        frozenset(limits.exempt_tiers),
+        limits.memberships,
+        frozenset(limits.exempt_users),
+        dict(share.users),
+        dict(share.tiers),
+        dict(teams.rates),
+        dict(teams.memberships),
+        dict(share.teams),
+        policy.mode,
+        policy.fair_share,
+        frozenset(policy.users),
+    )

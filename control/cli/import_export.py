@@ -13,44 +13,22 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO, cast
 
-from control import names
 from control.cli.client import EXIT_OK, Client, UsageError
-from control.cli.render import encodes, holder_dict, print_error, print_json
+from control.cli.render import encodes, print_error, print_json
 from control.errors import InvalidArgument
-from control.kinds import TEAMS, TIERS, USERS
-from control.table import TableDocument, dumps, format_of, loads
+from control.kinds import ALL, Kind
+from control.table import dumps, format_of, loads
+from pacing.policy.document import Document
+from pacing.policy.model import GroupKind, Limits, Policy, User
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 
 def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     table = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
-    entries = [holder_dict(USERS, limit) for limit in table.limits]
-    tiers = [holder_dict(TIERS, tier) for tier in table.tiers]
-    teams = [holder_dict(TEAMS, team) for team in table.teams]
-    doc = TableDocument(
-        default_rate=table.default_tokens_per_second or None,
-        user_rates={
-            e["user"]: e["tokens_per_second"]
-            for e in entries
-            if e["tokens_per_second"] is not None
-        },
-        etag=table.etag,
-        tier_rates={
-            t["tier"]: t["tokens_per_second"]
-            for t in tiers
-            if t["tokens_per_second"] is not None
-        },
-        exempt_tiers=frozenset(t["tier"] for t in tiers if t["exempt"]),
-        memberships={e["user"]: e["tier"] for e in entries if e["tier"] is not None},
-        exempt_users=frozenset(e["user"] for e in entries if e["exempt"]),
-        user_weights={e["user"]: e["weight"] for e in entries if e["weight"]},
-        tier_weights={t["tier"]: t["weight"] for t in tiers if t["weight"]},
-        team_rates={t["team"]: t["tokens_per_second"] for t in teams},
-        team_members={e["user"]: e["team"] for e in entries if e["team"] is not None},
-        team_weights={t["team"]: t["weight"] for t in teams if t["weight"]},
-    )
+    doc = Document(_policy_of(table), table.etag)
+    entries, tiers, teams = (len(getattr(table, k.collection)) for k in ALL)
     if args.file in (None, "-"):
         out.write(dumps(doc, "json"))
     else:
@@ -60,8 +38,8 @@ def export(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         except OSError as exc:
             raise UsageError(f"cannot write {args.file}: {exc.strerror}") from None
         print(
-            f"exported {len(entries)} entries, {len(tiers)} tiers and "
-            f"{len(teams)} teams to {args.file}",
+            f"exported {entries} entries, {tiers} tiers and {teams} teams to "
+            f"{args.file}",
             file=sys.stderr,
         )
     return EXIT_OK
@@ -85,62 +63,32 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if doc.etag is not None and not encodes(doc.etag):
         raise InvalidArgument(f"{source}: etag must be well-formed Unicode")
     etag = "" if args.force else (doc.etag or "")
-    default = doc.default_rate
+    default = doc.policy.default_rate
     if default is None:  # keep the current default, as read with its etag
         current = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
         default = current.default_tokens_per_second
         etag = etag or ("" if args.force else current.etag)
+    wire: dict[str, Any] = {
+        kind.collection: [
+            getattr(_pb2, kind.title)(name=kind.name(holder_id), **values)
+            for holder_id, values in _wire_of(doc.policy, kind)
+        ]
+        for kind in ALL
+    }
     table = client.call(
         "ReplaceLimitsTable",
         _pb2.ReplaceLimitsTableRequest(
             limits_table=_pb2.LimitsTable(
-                default_tokens_per_second=default,
-                limits=[
-                    _pb2.Limit(
-                        name=names.limit_name(user),
-                        tokens_per_second=doc.user_rates.get(user, 0),
-                        tier=(
-                            names.tier_name(doc.memberships[user])
-                            if user in doc.memberships
-                            else ""
-                        ),
-                        exempt=user in doc.exempt_users,
-                        weight=doc.user_weights.get(user, 0.0),
-                        team=(
-                            names.team_name(doc.team_members[user])
-                            if user in doc.team_members
-                            else ""
-                        ),
-                    )
-                    for user in sorted(doc.users())
-                ],
-                tiers=[
-                    _pb2.Tier(
-                        name=names.tier_name(tier),
-                        tokens_per_second=doc.tier_rates.get(tier, 0),
-                        exempt=tier in doc.exempt_tiers,
-                        weight=doc.tier_weights.get(tier, 0.0),
-                    )
-                    for tier in sorted(doc.tiers)
-                ],
-                teams=[
-                    _pb2.Team(
-                        name=names.team_name(team),
-                        tokens_per_second=rate,
-                        weight=doc.team_weights.get(team, 0.0),
-                    )
-                    for team, rate in sorted(doc.team_rates.items())
-                ],
-                etag=etag,
+                default_tokens_per_second=default, etag=etag, **wire
             )
         ),
     )
-    if doc.mode is not None:  # the mode is not part of the table and its etag
+    if doc.policy.mode is not None:  # the mode is not part of the table and its etag
         print_error(
-            f"note: {source} names mode {doc.mode}, which import leaves as it "
+            f"note: {source} names mode {doc.policy.mode}, which import leaves as it "
             "is; use set-mode to change it"
         )
-    if doc.fair_share is not None:  # nor is the fair-share switch
+    if doc.policy.fair_share is not None:  # nor is the fair-share switch
         print_error(
             f"note: {source} names fair_share, which import leaves as it is; "
             "use set-fair-share to change it"
@@ -158,3 +106,32 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             file=out,
         )
     return EXIT_OK
+
+
+def _policy_of(table: _pb2.LimitsTable) -> Policy:
+    """The policy a ``LimitsTable`` the server sent holds."""
+    groups: dict[GroupKind, dict[str, Limits]] = {}
+    users: dict[str, User] = {}
+    for kind in ALL:
+        for message in getattr(table, kind.collection):
+            values = {name: getattr(message, name) for name in kind.fields}
+            limits, memberships = kind.unwire(values)
+            holder_id = kind.id_of(message.name)
+            if kind.is_group:
+                groups.setdefault(cast(GroupKind, kind.holder), {})[holder_id] = limits
+            else:
+                users[holder_id] = User(limits, memberships)
+    default = Limits(table.default_tokens_per_second or None)
+    return Policy(default=default, groups=groups, users=users)
+
+
+def _wire_of(policy: Policy, kind: Kind) -> list[tuple[str, dict[str, object]]]:
+    """Each holder of ``kind`` in ``policy`` with its fields as the API carries
+    them, in id order."""
+    if kind.is_group:
+        holders = policy.groups[cast(GroupKind, kind.holder)]
+        return [(i, kind.wire(holders[i], {})) for i in sorted(holders)]
+    return [
+        (user, kind.wire(entry.limits, entry.groups))
+        for user, entry in sorted(policy.users.items())
+    ]

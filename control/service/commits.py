@@ -1,6 +1,7 @@
-"""The limits table in force and how a change of it is committed: the change
-lock, the durable write (config file) or the publication (global store), the
-apply to the limiter, the table etag.
+"""The policy in force and how a change of it is committed: the change lock,
+the durable write (config file) or the publication (global store), the apply
+to the limiter, the teams and the ledger together with the policy in force
+(``SharedLimiter.policy``), the table etag.
 
 Every read and write goes through ``SharedLimiter.lock`` (see
 ``pacing.shared``). Changes are also serialised among themselves by a second
@@ -34,7 +35,8 @@ published and this engine applied moves the table etag, as a local change does.
 
 Invariant: a change that was not persisted (or published) is not applied; the
 table etag moves, under ``shared.lock``, with every table applied, and a mode
-change alone does not move it.
+change alone does not move it; ``shared.policy`` is replaced in the same hold
+of the lock as the runtime tables, so it is always what they were built from.
 """
 
 from __future__ import annotations
@@ -45,13 +47,14 @@ from collections.abc import Callable, Iterable
 
 from control.errors import Aborted, FailedPrecondition, Unavailable
 from control.resources import Etags
-from control.table import TableDocument, table_in_force
+from control.table import table_in_force
 from pacing import global_limits
 from pacing.fair_share_policy import apply_policy
 from pacing.limiter import OutputRateLimiter
 from pacing.policy.document import FAIR_SHARE_KEY
+from pacing.policy.model import Policy
 from pacing.shared import SharedLimiter
-from pacing.teams import Teams, TeamTable
+from pacing.teams import Teams
 
 #: Applies a change to the limiter at ``now_ns``; runs under the shared lock.
 Apply = Callable[[OutputRateLimiter, int], None]
@@ -72,7 +75,7 @@ class TableCommits:
         self,
         shared: SharedLimiter,
         *,
-        persist: Callable[[TableDocument], None] | None,
+        persist: Callable[[Policy], None] | None,
         global_store: bool,
     ) -> None:
         self.shared = shared
@@ -98,34 +101,34 @@ class TableCommits:
         """The table's etag. Requires shared.lock (or self.changes)."""
         return f"{self._epoch}-{self._generation}"
 
-    def current(self) -> TableDocument:
+    def current(self) -> Policy:
         with self.shared.lock:
             return self.current_locked()
 
-    def current_locked(self) -> TableDocument:
+    def current_locked(self) -> Policy:
         """The table, mode and fair-share policy in force, as a document of
         copies (default None while pacing is off). Requires shared.lock."""
         return table_in_force(self.shared)
 
     def commit(
         self,
-        doc: TableDocument,
+        policy: Policy,
         apply: Apply | None,
         *,
         table: bool = True,
         teams: TeamsApply | None = None,
     ) -> str:
-        """Persists ``doc`` (the whole new table and mode), applies it (``apply``
+        """Persists ``policy`` (the whole new table and mode), applies it (``apply``
         to the limiter, ``teams`` to the teams) and announces it; returns the
         table's etag. Requires self.changes."""
-        self.check_fair_share(doc, field=f"pacing_mode.{FAIR_SHARE_KEY}")
+        self.check_fair_share(policy, field=f"pacing_mode.{FAIR_SHARE_KEY}")
         backend = self._hub.backend
         if backend is not None or self._global_store:
             try:
-                self._publish(backend, doc)
+                self._publish(backend, policy)
             except global_limits.LimitsNotSaved as exc:
                 # Every engine's table now: applied here too, but not acknowledged.
-                self.apply(doc, apply, table=table, teams=teams)
+                self.apply(policy, apply, table=table, teams=teams)
                 self.shared.wake()
                 raise Unavailable(
                     f"{exc}: it is applied, but would not survive the store losing "
@@ -133,79 +136,83 @@ class TableCommits:
                 ) from None
         elif self._persist is not None:
             try:
-                self._persist(doc)
+                self._persist(policy)
             except OSError as exc:
                 raise Unavailable(
                     f"the change was not applied: writing the config file failed: {exc}"
                 ) from None
-        etag = self.apply(doc, apply, table=table, teams=teams)
+        etag = self.apply(policy, apply, table=table, teams=teams)
         self.shared.wake()
         return etag
 
     def commit_table(
         self,
-        doc: TableDocument,
+        policy: Policy,
         *,
         users: Iterable[str] | None = None,
         teams: TeamsApply | None = None,
     ) -> str:
-        """Commits ``doc`` as the whole new table (``commit``), applied as if
+        """Commits ``policy`` as the whole new table (``commit``), applied as if
         each difference from the table in force were set one by one. ``users``
         and ``teams``, when given, say what differs: the only users whose
         limit may change, and the change of the teams. Requires self.changes."""
         if users is None:
-            teams = replace_teams(doc, self.current())
-        return self.commit(doc, replace_with(doc, users), teams=teams)
+            teams = replace_teams(policy, self.current())
+        return self.commit(policy, replace_with(policy, users), teams=teams)
 
-    def check_fair_share(self, doc: TableDocument, *, field: str) -> None:
-        """FailedPrecondition naming ``field`` when ``doc`` switches fair share
+    def check_fair_share(self, policy: Policy, *, field: str) -> None:
+        """FailedPrecondition naming ``field`` when ``policy`` switches fair share
         on and the engine cannot run it."""
         refusal = self.shared.fair_share.refusal
-        if doc.fair_share and refusal is not None:
+        if policy.fair_share and refusal is not None:
             raise FailedPrecondition(f"{field}: fair share cannot run here: {refusal}")
 
     def apply(
         self,
-        doc: TableDocument,
+        policy: Policy,
         apply: Apply | None,
         *,
         table: bool,
         teams: TeamsApply | None = None,
     ) -> str:
         """Runs ``apply`` on the limiter and ``teams`` on the teams, makes
-        ``doc.mode`` the mode and its weights and switch (when given) the
-        ledger's and, for a change of the table, bumps the etag; returns it.
-        Requires self.changes."""
+        ``policy`` the policy in force, its mode (when given) the mode, its
+        weights and switch (when given) the ledger's and, for a change of the
+        table, bumps the etag; returns it. Requires self.changes."""
         shared = self.shared
-        policy = doc.share_policy(shared.fair_share.enabled)
+        share = policy.share_policy(shared.fair_share.enabled)
+        in_force = dataclasses.replace(policy, mode=None, fair_share=None)
         with shared.lock:
             now_ns = shared.clock()
             if apply is not None:
                 apply(shared.limiter, now_ns)
             if teams is not None:
                 teams(shared.teams, now_ns)
-            if doc.mode is not None:
-                shared.mode = doc.mode
-            apply_policy(shared.fair_share, policy)
+            if policy.mode is not None:
+                shared.mode = policy.mode
+            apply_policy(shared.fair_share, share)
+            shared.policy = in_force
             if table:
                 self._generation += 1
             return self.etag()
 
     def _publish(
-        self, backend: global_limits.LimitsBackend | None, doc: TableDocument
+        self, backend: global_limits.LimitsBackend | None, policy: Policy
     ) -> None:
-        """Makes ``doc`` every engine's through the store. Requires
+        """Makes ``policy`` every engine's through the store. Requires
         self.changes (the hub's lock)."""
         if backend is None:
             raise Unavailable(
                 "the change was not applied: the limits store is not connected yet"
             )
-        assert doc.mode is not None  # current() always reads the mode
+        assert policy.mode is not None  # current() always reads the mode
         try:
             backend.publish(
                 dataclasses.replace(
-                    doc.policy(),
-                    fair_share=doc.share_policy(self.shared.fair_share.enabled).enabled,
+                    policy,
+                    fair_share=policy.share_policy(
+                        self.shared.fair_share.enabled
+                    ).enabled,
                 )
             )
         except global_limits.LimitsConflict:
@@ -224,12 +231,12 @@ class TableCommits:
         self._generation += 1
 
 
-def replace_with(doc: TableDocument, users: Iterable[str] | None = None) -> Apply:
-    """Applies the default and the whole table of ``doc`` (the core's table is
-    built here, off the scheduler lock); ``users``: the only users whose limit
-    may differ (None: any)."""
-    table = doc.limit_table()
-    default = doc.default_rate
+def replace_with(policy: Policy, users: Iterable[str] | None = None) -> Apply:
+    """Applies the default and the whole table of ``policy`` (the core's table
+    is built here, off the scheduler lock); ``users``: the only users whose
+    limit may differ (None: any)."""
+    table = policy.limit_table()
+    default = policy.default_rate
 
     def apply(limiter: OutputRateLimiter, now_ns: int) -> None:
         if default is not None and default != limiter.default_rate:
@@ -239,15 +246,13 @@ def replace_with(doc: TableDocument, users: Iterable[str] | None = None) -> Appl
     return apply
 
 
-def replace_teams(doc: TableDocument, current: TableDocument) -> TeamsApply | None:
-    """Makes the teams of ``doc`` the teams (the table built here, off the
+def replace_teams(policy: Policy, current: Policy) -> TeamsApply | None:
+    """Makes the teams of ``policy`` the teams (the table built here, off the
     scheduler lock); None when they are those of ``current``."""
-    if (doc.team_rates, doc.team_members) == (
-        current.team_rates,
-        current.team_members,
-    ):
+    table = policy.team_table()
+    held = current.team_table()
+    if (table.rates, table.memberships) == (held.rates, held.memberships):
         return None
-    table = TeamTable(doc.team_rates, doc.team_members)
 
     def apply(teams: Teams, now_ns: int) -> None:
         teams.replace(table, now_ns)

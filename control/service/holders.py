@@ -40,7 +40,7 @@ from control.resources import (
 from control.service.commits import TableCommits, TeamsApply
 from control.service.ordering import page_size, resume
 from control.service.write_requests import mask_fields
-from control.table import MAX_EXPLICIT_LIMITS, MAX_TIERS, TableDocument, shown
+from control.table import MAX_EXPLICIT_LIMITS, MAX_TIERS, shown
 from pacing.policy.errors import PolicyError, unknown_group
 from pacing.policy.model import RULES, GroupKind, Limits, Policy, User
 
@@ -92,7 +92,7 @@ def create(
         given.add(kind.makes_exist[0])  # checked, so that its rule says why
     changes = _changes(kind, values, given | set(kind.required))
     with commits.changes:
-        policy = commits.current().policy()
+        policy = commits.current()
         if holder_id in holders_of(policy, kind):
             raise AlreadyExists(
                 f"{shown(kind.name(holder_id))} exists; use Update{kind.title}"
@@ -123,7 +123,7 @@ def update(
     checked = set(kind.required) | (set() if update_mask or given else fields)
     changes = _changes(kind, values, fields, checked=checked)
     with commits.changes:
-        policy = commits.current().policy()
+        policy = commits.current()
         current = holder_of(commits.etags, policy, kind, holder_id)
         if current is None:
             if not allow_missing:
@@ -146,7 +146,7 @@ def delete(
     FailedPrecondition while a group has members."""
     holder_id = kind.parse(name, field="name")
     with commits.changes:
-        policy = commits.current().policy()
+        policy = commits.current()
         current = holder_of(commits.etags, policy, kind, holder_id)
         if current is None:
             if allow_missing:
@@ -158,8 +158,7 @@ def delete(
 
 def _policy(commits: TableCommits) -> Policy:
     with commits.shared.lock:
-        doc = commits.current_locked()  # copies: built off the lock
-    return doc.policy()
+        return commits.current_locked()
 
 
 def _given(kind: Kind, values: Mapping[str, object]) -> set[str]:
@@ -304,7 +303,7 @@ def _commit(
             entries.pop(holder_id, None)
         new = dataclasses.replace(policy, users=entries)
     users, teams = _what_differs(policy, new, kind, holder_id)
-    commits.commit_table(TableDocument.of_policy(new), users=users, teams=teams)
+    commits.commit_table(new, users=users, teams=teams)
     holder = holder_of(commits.etags, new, kind, holder_id)
     return Holder(kind, holder_id) if holder is None else holder
 

@@ -51,8 +51,8 @@ from control.service.commits import TableCommits
 from control.service.user_states import (
     WatchPlan,
 )
-from control.table import TableDocument
 from pacing.modes import Mode
+from pacing.policy.model import Policy
 from pacing.shared import SharedLimiter
 
 
@@ -71,7 +71,7 @@ class LimitsService:
         self,
         shared: SharedLimiter,
         *,
-        persist: Callable[[TableDocument], None] | None = None,
+        persist: Callable[[Policy], None] | None = None,
         page_tokens: PageTokens | None = None,
         global_store: bool = False,
     ) -> None:
@@ -221,7 +221,7 @@ class LimitsService:
             self._commits, default_tokens_per_second, holders, etag
         )
 
-    def reload(self, read: Callable[[], TableDocument | None]) -> bool:
+    def reload(self, read: Callable[[], Policy | None]) -> bool:
         """Makes the document ``read()`` returns the table and mode, without
         persisting it; returns whether the table or the mode changed. See
         ``table_writes.reload``."""

@@ -33,6 +33,6 @@ def get_limits_table(commits: TableCommits, name: str) -> LimitsTable:
     """The default, every entry and every tier, with the current etag."""
     names.check_singleton(name, names.LIMITS_TABLE, field="name")
     with commits.shared.lock:
-        doc = commits.current_locked()
+        policy = commits.current_locked()
         etag = commits.etag()
-    return table_of(commits.etags, doc.policy(), etag)
+    return table_of(commits.etags, policy, etag)

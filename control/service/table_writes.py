@@ -22,15 +22,15 @@ from control.errors import Aborted, InvalidArgument
 from control.kinds import ALL, BY_HOLDER, Kind
 from control.resources import HolderSpec, LimitsTable, table_of
 from control.service.commits import TableCommits, replace_teams, replace_with
-from control.table import TableDocument, shown
+from control.table import shown
 from pacing.policy.document import DEFAULT_RATE_KEY, FAIR_SHARE_KEY, USERS_KEY, parse
 from pacing.policy.errors import PolicyError
-from pacing.policy.model import GROUP_KEYS
+from pacing.policy.model import GROUP_KEYS, Policy
 
 
 def parse_table(
     default_tokens_per_second: int, holders: Mapping[Kind, Iterable[HolderSpec]]
-) -> TableDocument:
+) -> Policy:
     """The table a ``ReplaceLimitsTable`` request holds, checked on its own by
     the policy's one validator (``pacing.policy.document``) once its resource
     names are parsed; an error names the request's field
@@ -53,10 +53,9 @@ def parse_table(
             fields[(key, holder_id)] = where
             part[holder_id] = _holder_tree(kind, spec.values, where)
     try:
-        document = parse(tree)
+        return parse(tree).policy
     except PolicyError as error:
         raise InvalidArgument(_in_request(error, fields)) from None
-    return TableDocument.from_document(document)
 
 
 def _holder_tree(
@@ -116,15 +115,15 @@ def replace_limits_table(
                 "since it was read; read it again and retry"
             )
         current = commits.current()
-        doc = dataclasses.replace(
+        new = dataclasses.replace(
             table, mode=current.mode, fair_share=current.fair_share
         )
-        new_etag = commits.commit_table(doc)
-    return table_of(commits.etags, doc.policy(), new_etag)
+        new_etag = commits.commit_table(new)
+    return table_of(commits.etags, new, new_etag)
 
 
-def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> bool:
-    """Makes the document ``read()`` returns the table, mode and fair-share
+def reload(commits: TableCommits, read: Callable[[], Policy | None]) -> bool:
+    """Makes the policy ``read()`` returns the table, mode and fair-share
     switch, without persisting it (it came from the config file); ``None`` or
     an equal document changes nothing, a missing default, mode or switch keeps
     the current one. ``read`` runs under the change lock, so no RPC change
@@ -132,32 +131,37 @@ def reload(commits: TableCommits, read: Callable[[], TableDocument | None]) -> b
     FailedPrecondition when it switches fair share on where the engine cannot
     run it (nothing applied)."""
     with commits.changes:
-        doc = read()
-        if doc is None:
+        read_policy = read()
+        if read_policy is None:
             return False
         current = commits.current()
-        doc = dataclasses.replace(
-            doc,
-            etag=None,
-            default_rate=(
-                current.default_rate if doc.default_rate is None else doc.default_rate
+        new = dataclasses.replace(
+            read_policy,
+            default=(
+                current.default
+                if read_policy.default_rate is None
+                else read_policy.default
             ),
-            mode=current.mode if doc.mode is None else doc.mode,
-            fair_share=current.fair_share if doc.fair_share is None else doc.fair_share,
+            mode=current.mode if read_policy.mode is None else read_policy.mode,
+            fair_share=(
+                current.fair_share
+                if read_policy.fair_share is None
+                else read_policy.fair_share
+            ),
         )
-        table_changed = not doc.same_table(current)
+        table_changed = not new.same_table(current)
         if (
             not table_changed
-            and doc.mode == current.mode
-            and doc.fair_share == current.fair_share
+            and new.mode == current.mode
+            and new.fair_share == current.fair_share
         ):
             return False
-        commits.check_fair_share(doc, field=FAIR_SHARE_KEY)
+        commits.check_fair_share(new, field=FAIR_SHARE_KEY)
         commits.apply(
-            doc,
-            replace_with(doc) if table_changed else None,
+            new,
+            replace_with(new) if table_changed else None,
             table=table_changed,
-            teams=replace_teams(doc, current),
+            teams=replace_teams(new, current),
         )
     commits.shared.wake()
     return True

@@ -37,8 +37,12 @@ def update_default_limit(
     mask_fields(update_mask, (RATE_FIELD,), {RATE_FIELD})
     rate = check_rate(tokens_per_second, field="default_limit.tokens_per_second")
     with commits.changes:
-        doc = dataclasses.replace(commits.current(), default_rate=rate)
-        commits.commit(doc, lambda limiter, now: limiter.set_default_rate(rate, now))
+        current = commits.current()
+        default = dataclasses.replace(current.default, tokens_per_second=rate)
+        commits.commit(
+            dataclasses.replace(current, default=default),
+            lambda limiter, now: limiter.set_default_rate(rate, now),
+        )
     return rate
 
 
@@ -62,14 +66,16 @@ def update_pacing_mode(
     if "mode" in fields and mode is None:
         raise InvalidArgument("pacing_mode.mode must be ENFORCE, SHADOW or OFF")
     with commits.changes:
-        doc = commits.current()
-        assert doc.mode is not None  # current() always reads the mode
-        assert doc.fair_share is not None  # and the switch
+        current = commits.current()
+        assert current.mode is not None  # current() always reads the mode
+        assert current.fair_share is not None  # and the switch
         check_etag(
-            etag, commits.etags.mode(doc.mode, doc.fair_share), names.PACING_MODE
+            etag,
+            commits.etags.mode(current.mode, current.fair_share),
+            names.PACING_MODE,
         )
-        new_mode = mode if mode is not None and "mode" in fields else doc.mode
-        switch = fair_share if "fair_share" in fields else doc.fair_share
-        new = dataclasses.replace(doc, mode=new_mode, fair_share=switch)
+        new_mode = mode if mode is not None and "mode" in fields else current.mode
+        switch = fair_share if "fair_share" in fields else current.fair_share
+        new = dataclasses.replace(current, mode=new_mode, fair_share=switch)
         commits.commit(new, None, table=False)
     return pacing_mode(commits.etags, new_mode, switch)

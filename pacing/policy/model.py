@@ -15,7 +15,7 @@ built from it here (``limit_table``, ``team_table``, ``share_policy``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Final, Literal
 
 from pacing.fair_share import validate_weight
@@ -70,6 +70,12 @@ class Limits:
     def __bool__(self) -> bool:
         return self != _NO_LIMITS
 
+    def overlaid(self, top: Limits) -> Limits:
+        """These limits with each attribute ``top`` sets instead."""
+        return replace(
+            self, **{name: getattr(top, name) for name in top.set_attributes()}
+        )
+
     def set_attributes(self) -> tuple[str, ...]:
         """The names of the attributes that differ from their default."""
         return tuple(
@@ -122,6 +128,36 @@ class Policy:
     def default_rate(self) -> int | None:
         return self.default.tokens_per_second
 
+    def same_table(self, other: Policy) -> bool:
+        """Whether ``other`` holds the same default, groups and users (the mode
+        and the fair-share switch aside)."""
+        return (self.default, self.groups, self.users) == (
+            other.default,
+            other.groups,
+            other.users,
+        )
+
+    def overlaid(self, top: Policy) -> Policy:
+        """This policy with ``top`` over it: what ``top`` sets wins, attribute
+        by attribute and membership by membership; what it leaves unset stays
+        (an exemption is kept from either)."""
+        groups = {
+            kind: _overlaid(self.groups[kind], top.groups[kind]) for kind in KINDS
+        }
+        users: dict[str, User] = dict(self.users)
+        for user, entry in top.users.items():
+            below = users.get(user, User())
+            users[user] = User(
+                below.limits.overlaid(entry.limits), {**below.groups, **entry.groups}
+            )
+        return Policy(
+            mode=self.mode if top.mode is None else top.mode,
+            fair_share=self.fair_share if top.fair_share is None else top.fair_share,
+            default=self.default.overlaid(top.default),
+            groups=groups,
+            users=users,
+        )
+
     def members(self, kind: GroupKind) -> dict[str, str]:
         """User -> the group of ``kind`` it is a member of."""
         return {
@@ -171,6 +207,15 @@ class Policy:
             _weights(self.groups["tier"]),
             _weights(self.groups["team"]),
         )
+
+
+def _overlaid(
+    below: Mapping[str, Limits], top: Mapping[str, Limits]
+) -> dict[str, Limits]:
+    merged = dict(below)
+    for name, limits in top.items():
+        merged[name] = merged.get(name, Limits()).overlaid(limits)
+    return merged
 
 
 def _weights(holders: Mapping[str, Limits]) -> dict[str, float]:

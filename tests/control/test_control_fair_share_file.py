@@ -15,14 +15,13 @@ from control.kinds import TIERS, USERS
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start
 from control.runner import serve
 from control.service.operations import LimitsService
-from control.table import TableDocument
 from pacing.modes import Mode
 from pacing.settings.model import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
-from tests.control_harness import make_rig
+from tests.control_harness import make_rig, pieces, table
 
-FLAGS = TableDocument(
+FLAGS = table(
     default_rate=10,
     user_rates={"alice": 5},
     tier_rates={"free": 2},
@@ -48,7 +47,7 @@ def started(path, rig) -> tuple[LimitsService, ConfigWatcher]:
     file = ConfigFile(path)
     service = LimitsService(rig.shared, persist=file.write)
     doc = load_at_start(file, FLAGS)
-    service.reload(lambda: doc)
+    service.reload(lambda: doc.policy)
     return service, ConfigWatcher(file, service, FLAGS)
 
 
@@ -59,7 +58,11 @@ def write(path, tree: dict) -> None:
 def test_the_flags_weights_and_switch_start_a_new_file(path, rig):
     started(path, rig)
     doc = ConfigFile(path).load()
-    assert (doc.user_weights, doc.tier_weights, doc.fair_share) == (
+    assert (
+        pieces(doc).user_weights,
+        pieces(doc).tier_weights,
+        pieces(doc).fair_share,
+    ) == (
         {"alice": 2.0},
         {"free": 3.0},
         False,
@@ -90,10 +93,10 @@ def test_every_change_of_weights_or_switch_is_written(path, rig):
     service.update(TIERS, "tiers/free", {}, ["weight"])
     service.update_pacing_mode("", None, ["fair_share"], fair_share=True)
     doc = ConfigFile(path).load()
-    assert doc.user_weights == {"alice": 2.0, "dave": 4.0}
-    assert doc.tier_weights == {}
-    assert doc.fair_share is True
-    assert doc.users() == {"alice", "dave"}  # dave's entry is his weight
+    assert pieces(doc).user_weights == {"alice": 2.0, "dave": 4.0}
+    assert pieces(doc).tier_weights == {}
+    assert pieces(doc).fair_share is True
+    assert pieces(doc).users == {"alice", "dave"}  # dave's entry is his weight
 
 
 def test_an_edit_of_the_weights_and_switch_applies_live(path, rig):

@@ -10,10 +10,10 @@ import stat
 import pytest
 
 from control.persistence import ConfigFile, load_at_start
-from control.table import TableDocument
+from tests.control_harness import table
 
-FLAGS = TableDocument(default_rate=10, user_rates={"alice": 1})
-CHANGED = TableDocument(default_rate=5, user_rates={"bob": 2})
+FLAGS = table(default_rate=10, user_rates={"alice": 1})
+CHANGED = table(default_rate=5, user_rates={"bob": 2})
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_a_write_lands_in_the_directory_opened_at_start_not_a_symlink_swapped_in
     file.write(CHANGED)
 
     assert os.listdir(attacker) == []
-    assert ConfigFile(moved / "limits.json").load() == CHANGED
+    assert ConfigFile(moved / "limits.json").load().policy == CHANGED
 
 
 def test_a_write_replaces_a_symlink_swapped_in_for_the_file_not_its_target(
@@ -70,7 +70,7 @@ def test_a_write_replaces_a_symlink_swapped_in_for_the_file_not_its_target(
     assert victim.read_text() == "not yours\n"
     assert not path.is_symlink()
     assert mode_of(path) == 0o600
-    assert ConfigFile(path).load() == CHANGED
+    assert ConfigFile(path).load().policy == CHANGED
 
 
 def test_a_file_swapped_for_a_symlink_is_not_read_through_it(tmp_path):

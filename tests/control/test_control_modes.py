@@ -14,15 +14,14 @@ import pytest
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start
 from control.runner import attach, serve
 from control.service.operations import LimitsService
-from control.table import TableDocument
 from pacing.modes import Mode
 from pacing.settings.model import ControlSettings, OutputRateSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
-from tests.control_harness import make_rig, serving
+from tests.control_harness import make_rig, serving, table
 
 CONTROL = "/outputrate.v1.OutputRateControl/"
-FLAGS = TableDocument(default_rate=10, user_rates={"alice": 5}, mode=Mode.ENFORCE)
+FLAGS = table(default_rate=10, user_rates={"alice": 5}, mode=Mode.ENFORCE)
 
 
 @pytest.fixture
@@ -194,14 +193,14 @@ def started(path, rig) -> tuple[LimitsService, ConfigWatcher]:
     file = ConfigFile(path)
     service = LimitsService(rig.shared, persist=file.write)
     doc = load_at_start(file, FLAGS)
-    service.reload(lambda: doc)
+    service.reload(lambda: doc.policy)
     return service, ConfigWatcher(file, service, FLAGS)
 
 
 def test_a_mode_change_is_written_to_the_file(path, rig):
     service, _ = started(path, rig)
     service.update_pacing_mode("", Mode.SHADOW, [])
-    assert ConfigFile(path).load().mode is Mode.SHADOW
+    assert ConfigFile(path).load().policy.mode is Mode.SHADOW
 
 
 def test_a_failed_write_leaves_the_mode_as_it_was(path, rig, monkeypatch):

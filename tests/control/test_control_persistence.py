@@ -18,14 +18,14 @@ from control.kinds import USERS
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start, merge
 from control.runner import serve
 from control.service.operations import LimitsService
-from control.table import TableDocument
 from pacing.modes import Mode
+from pacing.policy.document import Document
 from pacing.settings.model import ControlSettings
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
-from tests.control_harness import make_rig, serving
+from tests.control_harness import make_rig, pieces, serving, table
 
-FLAGS = TableDocument(default_rate=10, user_rates={"flag-only": 1, "both": 2})
+FLAGS = table(default_rate=10, user_rates={"flag-only": 1, "both": 2})
 
 
 @pytest.fixture(params=["json", "yaml"])
@@ -48,18 +48,18 @@ def files_in(directory) -> list[str]:
 def test_the_file_wins_over_the_flags(path):
     write_doc(path, {"default_tokens_per_second": 50, "users": {"both": 20, "file": 3}})
     doc = load_at_start(ConfigFile(path), FLAGS)
-    assert doc.default_rate == 50
-    assert doc.user_rates == {"flag-only": 1, "both": 20, "file": 3}
+    assert pieces(doc).default_rate == 50
+    assert pieces(doc).user_rates == {"flag-only": 1, "both": 20, "file": 3}
 
 
 def test_a_file_without_default_keeps_the_flags_default(path):
     write_doc(path, {"users": {"file": 3}})
-    assert load_at_start(ConfigFile(path), FLAGS).default_rate == 10
+    assert load_at_start(ConfigFile(path), FLAGS).policy.default_rate == 10
 
 
 def test_a_missing_file_is_created_from_the_flags(path):
-    assert load_at_start(ConfigFile(path), FLAGS) == FLAGS
-    assert ConfigFile(path).load() == FLAGS
+    assert load_at_start(ConfigFile(path), FLAGS).policy == FLAGS
+    assert ConfigFile(path).load().policy == FLAGS
 
 
 RATE = "must be an integer in 1..1000000 (tokens per second), got"
@@ -171,8 +171,8 @@ def rig():
 def started(path, rig) -> tuple[LimitsService, ConfigFile]:
     file = ConfigFile(path)
     service = LimitsService(rig.shared, persist=file.write)
-    doc = load_at_start(file, TableDocument(10, {"alice": 5}))
-    service.reload(lambda: doc)
+    doc = load_at_start(file, table(10, {"alice": 5}))
+    service.reload(lambda: doc.policy)
     return service, file
 
 
@@ -195,7 +195,7 @@ def test_every_accepted_change_is_written_atomically(path, rig):
         )
     assert files_in(path.parent) == [path.name]  # no temp files left behind
     assert stat.S_IMODE(path.stat().st_mode) == 0o640  # permissions kept
-    assert ConfigFile(path).load() == TableDocument(
+    assert ConfigFile(path).load().policy == table(
         default_rate=7,
         user_rates={f"u{i}": i + 1 for i in range(20)},
         mode=Mode.ENFORCE,
@@ -243,9 +243,9 @@ def test_a_rewrite_keeps_the_files_mode(path, umask, mode):
     umask(0o077)  # the mode comes from the old file, not from the umask
     ConfigFile(path).write(FLAGS)
     path.chmod(mode)
-    ConfigFile(path).write(TableDocument(5, {"x": 1}))
+    ConfigFile(path).write(table(5, {"x": 1}))
     assert mode_of(path) == mode
-    assert ConfigFile(path).load() == TableDocument(5, {"x": 1})
+    assert ConfigFile(path).load().policy == table(5, {"x": 1})
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o027, 0o000], ids=oct)
@@ -267,7 +267,7 @@ def test_a_rewrite_keeps_the_files_owner_and_group(path):
     ConfigFile(path).write(FLAGS)
     os.chown(path, 4242, 4343)
     path.chmod(0o640)
-    ConfigFile(path).write(TableDocument(5, {"x": 1}))
+    ConfigFile(path).write(table(5, {"x": 1}))
     info = path.stat()
     assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (4242, 4343, 0o640)
 
@@ -330,16 +330,14 @@ def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
     file = ConfigFile(tmp_path / "limits.json")
     service = LimitsService(rig.shared, persist=file.write)
     service.create(USERS, "a", {"tokens_per_second": 5})
-    assert file.load() == TableDocument(
+    assert file.load().policy == table(
         None, {"a": 5}, mode=Mode.ENFORCE, fair_share=False
     )
     assert service.get_limits_table("").default_tokens_per_second == 0
     assert rig.limiter.rate_of("a") == 0  # explicit limits wait for a default
     service.update_default_limit("", 9, [])
     assert rig.limiter.rate_of("a") == 5
-    assert file.load() == TableDocument(
-        9, {"a": 5}, mode=Mode.ENFORCE, fair_share=False
-    )
+    assert file.load().policy == table(9, {"a": 5}, mode=Mode.ENFORCE, fair_share=False)
 
 
 def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
@@ -347,9 +345,9 @@ def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
     real.parent.mkdir()
     link = tmp_path / "limits.json"
     link.symlink_to(real)
-    ConfigFile(link).write(TableDocument(3, {"x": 1}))
+    ConfigFile(link).write(table(3, {"x": 1}))
     assert link.is_symlink()
-    assert ConfigFile(real).load() == TableDocument(3, {"x": 1})
+    assert ConfigFile(real).load().policy == table(3, {"x": 1})
 
 
 # -- live edits ------------------------------------------------------------------
@@ -357,7 +355,7 @@ def test_a_write_through_a_symlink_replaces_the_target(tmp_path, rig):
 
 def watcher_for(path, rig, **kwargs) -> tuple[ConfigWatcher, LimitsService]:
     service, file = started(path, rig)
-    flags = TableDocument(10, {"alice": 5})
+    flags = table(10, {"alice": 5})
     return ConfigWatcher(file, service, flags, **kwargs), service
 
 
@@ -419,7 +417,7 @@ def test_a_deleted_file_keeps_the_table_and_is_recreated_by_the_next_change(path
     assert watcher.failures == 1
     assert rig.limiter.rate_of("alice") == 5
     service.update(USERS, "limits/alice", {"tokens_per_second": 6})
-    assert ConfigFile(path).load().user_rates == {"alice": 6}
+    assert pieces(ConfigFile(path).load()).user_rates == {"alice": 6}
 
 
 def test_the_watcher_thread_picks_up_edits(path, rig):
@@ -436,12 +434,12 @@ def test_the_watcher_thread_picks_up_edits(path, rig):
 
 
 def test_merge_lets_the_file_win():
-    merged = merge(FLAGS, TableDocument(None, {"both": 5}))
-    assert merged == TableDocument(10, {"flag-only": 1, "both": 5})
+    merged = merge(FLAGS, Document(table(None, {"both": 5})))
+    assert merged.policy == table(10, {"flag-only": 1, "both": 5})
 
 
 def test_merge_adds_the_files_tiers_memberships_and_exemptions_to_the_flags():
-    flags = TableDocument(
+    flags = table(
         10,
         {"a": 1},
         tier_rates={"free": 2},
@@ -449,7 +447,7 @@ def test_merge_adds_the_files_tiers_memberships_and_exemptions_to_the_flags():
         exempt_users=frozenset({"c"}),
         mode=Mode.ENFORCE,
     )
-    file = TableDocument(
+    file = table(
         None,
         tier_rates={"free": 3, "pro": 30},
         exempt_tiers=frozenset({"staff"}),
@@ -457,7 +455,7 @@ def test_merge_adds_the_files_tiers_memberships_and_exemptions_to_the_flags():
         exempt_users=frozenset({"e"}),
         mode=Mode.SHADOW,
     )
-    assert merge(flags, file) == TableDocument(
+    assert merge(flags, Document(file)).policy == table(
         10,
         {"a": 1},
         tier_rates={"free": 3, "pro": 30},
@@ -495,7 +493,7 @@ def test_tiers_memberships_and_exemptions_round_trip_through_the_file(path, rig)
             served.stub.CreateLimit(
                 pb.CreateLimitRequest(limit_id=user, limit=pb.Limit(**fields))
             )
-    expected = TableDocument(
+    expected = table(
         10,
         {"alice": 5},
         tier_rates={"free": 2},
@@ -505,7 +503,7 @@ def test_tiers_memberships_and_exemptions_round_trip_through_the_file(path, rig)
         mode=Mode.ENFORCE,
         fair_share=False,
     )
-    assert ConfigFile(path).load() == expected
+    assert ConfigFile(path).load().policy == expected
     # A new engine process, started from the same flags: the file restores all.
     second = make_rig(10, {"alice": 5})
     started(path, second)

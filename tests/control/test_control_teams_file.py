@@ -12,12 +12,12 @@ from control.errors import InvalidArgument
 from control.persistence import ConfigFile, ConfigWatcher, load_at_start
 from control.runner import serve
 from control.service.operations import LimitsService
-from control.table import TableDocument, dumps, loads
+from control.table import dumps, loads
 from pacing.settings.model import ControlSettings
 from pacing.teams import TeamTable
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc
-from tests.control_harness import make_rig
+from tests.control_harness import make_rig, pieces, table
 
 TEAMS_DOC = {
     "default_tokens_per_second": 100,
@@ -39,20 +39,18 @@ def settings_for(path) -> ControlSettings:
 def with_flag_teams(rates: dict[str, int], members: dict[str, str]):
     """A rig whose teams came from --output-rate-teams and
     --output-rate-team-members."""
-    rig = make_rig(10)
-    rig.shared.teams.replace(TeamTable(rates, members), rig.clock())
-    return rig
+    return make_rig(10, teams=TeamTable(rates, members))
 
 
 @pytest.mark.parametrize("fmt", ["json", "yaml"])
 def test_teams_round_trip_through_the_document_format(fmt):
     doc = loads(json.dumps(TEAMS_DOC), "json", source="f")
-    assert doc.team_rates == {"acme": 600, "beta": 200}
-    assert doc.team_members == {"user-a": "acme", "user-b": "beta"}
-    assert doc.team_weights == {"acme": 2.0}
-    assert doc.users() == {"user-a", "user-b"}
+    assert pieces(doc).team_rates == {"acme": 600, "beta": 200}
+    assert pieces(doc).team_members == {"user-a": "acme", "user-b": "beta"}
+    assert pieces(doc).team_weights == {"acme": 2.0}
+    assert pieces(doc).users == {"user-a", "user-b"}
     again = loads(dumps(doc, fmt), fmt, source="f")
-    assert again.same_table(doc)
+    assert again.policy.same_table(doc.policy)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +119,11 @@ def test_team_changes_survive_a_restart_through_the_limits_file(path):
         plane.stop(0)
     saved = ConfigFile(path).load()
     assert saved is not None
-    assert (saved.team_rates, saved.team_members, saved.team_weights) == (
+    assert (
+        pieces(saved).team_rates,
+        pieces(saved).team_members,
+        pieces(saved).team_weights,
+    ) == (
         {"acme": 60},
         {"user-a": "acme"},
         {"acme": 3.0},
@@ -168,21 +170,22 @@ def test_a_missing_file_is_created_with_the_flags_teams(path):
     plane.stop(0)
     saved = ConfigFile(path).load()
     assert saved is not None
-    assert (saved.team_rates, saved.team_members) == ({"acme": 60}, {"user-a": "acme"})
+    teams = saved.policy.team_table()
+    assert (teams.rates, teams.memberships) == ({"acme": 60}, {"user-a": "acme"})
 
 
 def test_an_edit_of_the_teams_applies_live(path):
     rig = make_rig(10)
     file = ConfigFile(path)
     service = LimitsService(rig.shared, persist=file.write)
-    flags = TableDocument(default_rate=10)
+    flags = table(default_rate=10)
     doc = load_at_start(file, flags)
-    service.reload(lambda: doc)
+    service.reload(lambda: doc.policy)
     watcher = ConfigWatcher(file, service, flags)
     path.write_text(json.dumps(TEAMS_DOC))
     assert watcher.poll() is True
-    table = rig.shared.teams.table
-    assert (table.rates, table.memberships) == (
+    held = rig.shared.teams.table
+    assert (held.rates, held.memberships) == (
         {"acme": 600, "beta": 200},
         {"user-a": "acme", "user-b": "beta"},
     )

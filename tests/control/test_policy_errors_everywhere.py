@@ -18,13 +18,13 @@ from google.protobuf.field_mask_pb2 import FieldMask
 from control import preflight
 from control.persistence import ConfigFile, ConfigWatcher
 from control.service.operations import LimitsService
-from control.table import TableDocument
 from pacing.settings.checks import SettingsError
 from pacing.settings.flags import CONFIG_FLAG, POLICY_FLAG
 from pacing.settings.model import ADDITIONAL_CONFIG_KEY, OutputRateSettings
 from pacing.settings.policy import policy_of_flag
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests import cli_harness
+from tests.control_harness import table
 
 RATE = "must be an integer in 1..1000000 (tokens per second), got -5"
 WEIGHT = "must be a number in (0, 1e+06], got -1.5"
@@ -116,7 +116,7 @@ def test_a_document_gives_the_same_error_at_every_way_in(rule, tmp_path, ctl):
     file = ConfigFile(good)
     file.load()
     watcher = ConfigWatcher(
-        file, LimitsService(cli_harness.make_rig(10).shared), TableDocument()
+        file, LimitsService(cli_harness.make_rig(10).shared), table()
     )
     write(good, document_of(rule))
     assert watcher.poll() is False

@@ -622,7 +622,11 @@ def test_with_a_store_the_config_file_seeds_is_not_watched_and_keeps_each_versio
         assert global_limits.hub(rig.shared).backend is None
         saved = ConfigFile(path).load()
         assert saved is not None
-        assert (saved.default_rate, saved.user_rates) == (9, {"alice": 3})
+        policy = saved.policy
+        assert (policy.default_rate, policy.limit_table().user_rates) == (
+            9,
+            {"alice": 3},
+        )
         assert saved.store_version == sync.version
     finally:
         plane.stop(0)
