@@ -113,6 +113,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             mode=settings.mode,
             fair_share=settings.build_fair_share(),
             teams=settings.build_teams(),
+            policy=settings.policy,
         )
         #: Who each request is charged to (``pacing.attestation``); refuses to
         #: start in the attested mode without the guard's key. With pacing off

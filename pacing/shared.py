@@ -123,6 +123,7 @@ class SharedLimiter:
         budget: BudgetSource | None = None,
         fair_share: FairShare | None = None,
         teams: Teams | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.lock = threading.Lock()
         self.limiter = limiter
@@ -151,14 +152,20 @@ class SharedLimiter:
         self.teams = Teams(burst_ns=limiter.burst_ns) if teams is None else teams
         self.teams.weight_of = self._member_weight
         #: The policy in force: what the limiter's table, the teams and the
-        #: weights were built from (its mode and switch aside: ``mode`` and
+        #: weights were built from (``policy``; read back from them when not
+        #: given), its mode and switch aside (``mode`` and
         #: ``fair_share.enabled`` hold them). Replaced with them, in the same
         #: hold of the lock, by whatever applies a new table.
-        self.policy = policy_of(
-            default_rate=limiter.default_rate,
-            table=limiter.limits(),
-            teams=self.teams.table,
-            share=share_policy_of(self.fair_share),
+        self.policy = replace(
+            policy
+            or policy_of(
+                default_rate=limiter.default_rate,
+                table=limiter.limits(),
+                teams=self.teams.table,
+                share=share_policy_of(self.fair_share),
+            ),
+            mode=None,
+            fair_share=None,
         )
         self._team_budget: TeamBudget | None = None
 

@@ -17,9 +17,13 @@ the pacing mode (the fleet's kill switch is one switch), the fair-share switch
 and weights (the counters stay each engine's) and the teams. The fair-share
 keys are written only when fair share is on or there is a weight, the teams'
 only when there is a team, so documents of fleets that use neither stay as
-they were. Decoding checks the document with the one validator of every entry
-point (``pacing.policy``: its flat form, then the document's rules), so a bad
-document is refused, never applied.
+they were. An attribute the pieces do not carry (``pacing.policy.flat.CARRIED``)
+is written under ``attributes``, in the policy document's object form, only
+when a holder sets one: engines of earlier versions refuse such a document
+(an unknown field) and keep their table, so set such an attribute once every
+engine runs a version that knows it. Decoding checks the document with the
+one validator of every entry point (``pacing.policy``: its flat form, then the
+document's rules), so a bad document is refused, never applied.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ from typing import Any, Final
 from pacing.modes import Mode
 from pacing.policy.document import WEIGHT_KEYS, check_keys, check_object, parse
 from pacing.policy.errors import PolicyError
-from pacing.policy.flat import tree_of
+from pacing.policy.flat import (
+    ATTRIBUTES_KEY,
+    CARRIED,
+    attributes_of,
+    tree_of,
+    with_attributes,
+)
 from pacing.policy.model import Policy
 
 #: KEYS[1]: the limits hash. ARGV: the counter and stamp of the version the
@@ -68,10 +78,12 @@ _POLICY_FIELDS = ("fair_share", "weights")
 _TEAM_FIELDS = ("team_rates", "team_members")
 
 
-def encode(policy: Policy) -> str:
+def encode(policy: Policy, carried: tuple[str, ...] = CARRIED) -> str:
     """``policy`` as the stored JSON document (keys sorted: equal tables give
-    equal documents). ValueError where the policy does not say its mode and
-    fair-share switch (a stored table says both)."""
+    equal documents): the pieces for the attributes of ``carried``, the others
+    under ``attributes`` (``pacing.policy.flat.attributes_of``). ValueError
+    where the policy does not say its mode and fair-share switch (a stored
+    table says both)."""
     if policy.mode is None or policy.fair_share is None:
         raise ValueError("a stored limits table says its mode and fair-share switch")
     table, share = policy.limit_table(), policy.share_policy()
@@ -86,7 +98,7 @@ def encode(policy: Policy) -> str:
     }
     if share.enabled:
         document["fair_share"] = True
-    if share.users or share.tiers or share.teams:
+    if "weight" in carried and (share.users or share.tiers or share.teams):
         weights: dict[str, Any] = {
             "users": dict(share.users),
             "tiers": dict(share.tiers),
@@ -98,6 +110,8 @@ def encode(policy: Policy) -> str:
     if teams:
         document["team_rates"] = teams.rates
         document["team_members"] = teams.memberships
+    if beyond := attributes_of(policy, carried):
+        document[ATTRIBUTES_KEY] = beyond
     return json.dumps(document, sort_keys=True, ensure_ascii=False)
 
 
@@ -114,18 +128,27 @@ def decode(document: str | bytes) -> Policy:
     if not isinstance(raw, dict):
         raise ValueError("limits document must be a JSON object")
     missing = [name for name in _FIELDS if name not in raw]
-    unknown = sorted(set(raw) - {*_FIELDS, *_POLICY_FIELDS, *_TEAM_FIELDS})
+    unknown = sorted(
+        set(raw) - {*_FIELDS, *_POLICY_FIELDS, *_TEAM_FIELDS, ATTRIBUTES_KEY}
+    )
     if missing or unknown:
         raise ValueError(
             f"limits document: missing fields {missing}, unknown fields {unknown}"
         )
-    pieces = {name: value for name, value in raw.items() if name != "weights"}
+    pieces = {
+        name: value
+        for name, value in raw.items()
+        if name not in ("weights", ATTRIBUTES_KEY)
+    }
     try:
         weights = check_object(raw.get("weights") or {}, "", ("weights",))
         check_keys(weights, tuple(WEIGHT_KEYS.values()), ("weights",))
         for holder, key in WEIGHT_KEYS.items():
             pieces[f"{holder}_weights"] = weights.get(key)
-        policy = parse(tree_of(pieces)).policy
+        tree = tree_of(pieces)
+        if ATTRIBUTES_KEY in raw:
+            tree = with_attributes(tree, raw[ATTRIBUTES_KEY])
+        policy = parse(tree).policy
     except PolicyError as error:
         raise error.at("limits document") from None
     return dataclasses.replace(

@@ -61,9 +61,10 @@ def make_scheduler(
     max_loras: int = 0,
 ):
     """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
-    pacing off. ``scheduler_cls`` overrides the class (e.g. upstream's);
-    ``output_rate`` adds keys to ``additional_config["output_rate"]`` (mode,
-    tiers...); ``num_speculative_tokens`` turns on n-gram speculative decoding
+    pacing off unless ``output_rate`` holds a policy. ``scheduler_cls``
+    overrides the class (e.g. upstream's); ``output_rate`` adds keys to
+    ``additional_config["output_rate"]`` (mode, tiers...);
+    ``num_speculative_tokens`` turns on n-gram speculative decoding
     with that many draft tokens per step (the scheduler never runs the
     drafter: ``Driver`` hands it drafts); ``max_loras`` serves LoRA adapters."""
     model_config = ModelConfig(model=model_dir, max_model_len=512, dtype="float32")
@@ -100,6 +101,8 @@ def make_scheduler(
             "user_rates": user_rates or {},
             **(output_rate or {}),
         }
+    elif output_rate:  # e.g. a whole ``policy``, which pieces may not join
+        additional["output_rate"] = dict(output_rate)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,

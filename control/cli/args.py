@@ -204,6 +204,17 @@ _HELP: Mapping[tuple[str, str, str], str | None] = {
     ("team", "weight", "create"): "fair-share weight among teams",
     ("team", "weight", "update"): "fair-share weight among teams",
     ("team", "weight", "clear"): "remove the weight (the team weighs 1)",
+    ("user", "tokens_per_second", "clear"): (
+        "remove the user's own limit (its tier or the default applies)"
+    ),
+    ("user", "exempt", "update"): "make the user unlimited",
+    ("user", "exempt", "clear"): "lift the exemption (its limit applies again)",
+    ("user", "weight", "update"): "fair-share weight (default 1)",
+    ("user", "weight", "clear"): "remove the user's own weight (its tier's, else 1)",
+    ("user", "tier", "update"): "make the user a member of the tier",
+    ("user", "tier", "clear"): "take the user out of its tier",
+    ("user", "team", "update"): "make the user a member of the team",
+    ("user", "team", "clear"): "take the user out of its team",
 }
 #: Option metavars other than ``N``.
 _METAVARS = {"weight": "W"}
@@ -248,15 +259,9 @@ def _add_holder_commands(add: _Add, kind: Kind) -> None:
         partial(commands.update_holder, kind),
         _SUMMARIES.get((kind.holder, "update"), f"change a {kind.holder}"),
     )
-    for field in kind.attributes:
-        _add_update_arguments(sub, kind, field)
     required = [spelling.option(field) for field in kind.required]
     needs = f" (needs {spelling.either(required)})" if required else ""
-    sub.add_argument(
-        "--allow-missing",
-        action="store_true",
-        help=f"create the {kind.holder} if there is none{needs}",
-    )
+    _add_update_options(sub, kind, f"create the {kind.holder} if there is none{needs}")
     sub = command(
         "delete",
         partial(commands.delete_holder, kind),
@@ -296,14 +301,33 @@ def _add_create_argument(sub: argparse.ArgumentParser, kind: Kind, field: str) -
         )
 
 
+def _add_update_options(
+    sub: argparse.ArgumentParser, kind: Kind, allow_missing: str
+) -> None:
+    """The options of ``kind``'s update: each field's (``kind.fields``: the
+    attributes, then the memberships), then ``--allow-missing`` (its help)."""
+    for field in kind.fields:
+        _add_update_arguments(sub, kind, field)
+    sub.add_argument("--allow-missing", action="store_true", help=allow_missing)
+
+
 def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) -> None:
     """``field`` when updating: its option and, where it may be removed, the
-    option that removes it (sets its zero), the two exclusive."""
+    option that removes it (sets its zero), the two exclusive. A membership's
+    value is the group's id (``--tier TIER``)."""
     clearable = spelling.clearable(kind, field)
     group = sub.add_mutually_exclusive_group() if clearable else sub
     help_text = _help(kind, field, "update")
     descriptor = _field(kind, field)
-    if descriptor.cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+    if field in kind.references:
+        group.add_argument(
+            spelling.option(field),
+            dest=field,
+            type=_holder_id(field),
+            metavar=field.upper(),
+            help=help_text,
+        )
+    elif descriptor.cpp_type == FieldDescriptor.CPPTYPE_BOOL:
         group.add_argument(
             spelling.option(field),
             dest=field,
@@ -408,6 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
         commands.unset_limit,
         "remove one user's own limit (its tier or the default applies)",
     ).add_argument("user", type=_user)
+    nouns = [spelling.noun(field) for field in USERS.fields]
+    sub = command(
+        "update",
+        partial(commands.update_holder, USERS),
+        f"change one user's {spelling.either(nouns)} in one call",
+    )
+    sub.add_argument("user", type=_user)
+    _add_update_options(sub, USERS, "create the user's entry if it has none")
     sub = command(
         "delete",
         partial(commands.delete_holder, USERS),

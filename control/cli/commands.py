@@ -1,6 +1,7 @@
 """The ``output-rate-ctl`` commands: build the request from the parsed
 arguments, call the control plane, print the result. The five verbs are one
-function each for every kind of rate holder (``control.kinds``), given the kind.
+function each for every kind of rate holder (``control.kinds``), given the kind
+(a user entry's update is ``update``; its other commands change one field each).
 
 Invariant: a command is a ``Command``, ``(client, args, out) -> exit status``;
 it sends only arguments the parser has checked, prints its result to ``out``
@@ -34,7 +35,7 @@ from control.cli.render import (
     state_dict,
     team_state_dict,
 )
-from control.kinds import TEAMS, TIERS, USERS, Kind
+from control.kinds import BY_HOLDER, TEAMS, TIERS, USERS, Kind
 from control.service.ordering import MAX_PAGE_SIZE
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
@@ -79,8 +80,9 @@ def create_holder(
 def update_holder(
     kind: Kind, client: Client, args: argparse.Namespace, out: TextIO
 ) -> int:
-    """Changes the attributes given (a clear option gives the field's zero),
-    keeping the others; reports the holder, or that the change removed it."""
+    """Changes the fields given (a clear option gives the field's zero) in one
+    update, keeping the others; reports the holder, or that the change removed
+    it. A user entry's ``update`` too: its attributes and memberships."""
     values = _given(kind, args, flags_set=False)
     if not values:
         options = spelling.either(spelling.update_options(kind))
@@ -118,14 +120,20 @@ def _id(kind: Kind, args: argparse.Namespace) -> str:
 def _given(
     kind: Kind, args: argparse.Namespace, *, flags_set: bool = True
 ) -> dict[str, Any]:
-    """The attributes on the command line (``dest`` is the field); with
+    """The fields on the command line (``dest`` is the field), in the kind's
+    order; a membership as the group's resource name (``""``: none). With
     ``flags_set``, a flag only when set (a create's ``--exempt``)."""
-    values = {field: getattr(args, field) for field in kind.attributes}
+    values = {field: getattr(args, field) for field in kind.fields}
     return {
-        field: value
+        field: _wire(field, value) if field in kind.references else value
         for field, value in values.items()
         if value is not None and not (flags_set and value is False)
     }
+
+
+def _wire(group_kind: str, group_id: str) -> str:
+    """A membership as the API carries it: ``tiers/{id}``, ``""`` for none."""
+    return BY_HOLDER[group_kind].name(group_id) if group_id else ""
 
 
 def _create(client: Client, kind: Kind, holder_id: str, values: dict[str, Any]) -> Any:

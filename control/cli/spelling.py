@@ -1,7 +1,7 @@
 """How ``output-rate-ctl`` spells a kind's commands and fields (``control.kinds``),
 in one place for the parser (``control.cli.args``) and the commands' usage errors
 (``control.cli.commands``): ``create-tier`` and ``teams create``; ``--rate`` for
-``tokens_per_second``, else the field's own name (``--weight``).
+``tokens_per_second``, else the field's own name (``--weight``, ``--tier``).
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def clearable(kind: Kind, field: str) -> bool:
 
 
 def update_options(kind: Kind) -> list[str]:
-    """The options of an update, in order: each attribute's, then its clear."""
+    """The options of an update, in order: each field's (attributes, then
+    memberships), then its clear."""
     options = []
-    for field in kind.attributes:
+    for field in kind.fields:
         options.append(option(field))
         if clearable(kind, field):
             options.append(clear_option(field))

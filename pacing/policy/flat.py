@@ -9,6 +9,11 @@ table document holds them (``default_rate``, ``user_rates``, ``tier_rates``,
 validator (``pacing.policy.document``) checks them; ``piece_of`` says which
 piece an error of that document is about, for messages that name where the
 operator wrote it.
+
+The pieces carry the attributes of ``CARRIED``; any other attribute of a
+holder travels beside them in the document's own object form
+(``attributes_of``, merged back by ``with_attributes``), so that a new
+attribute needs no piece of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from pacing.policy.document import (
+    DEFAULT_KEY,
     DEFAULT_RATE_KEY,
     EXEMPT_USERS_KEY,
     FAIR_SHARE_KEY,
@@ -31,9 +37,13 @@ from pacing.policy.document import (
     check_list,
     check_object,
 )
-from pacing.policy.errors import PolicyError
-from pacing.policy.model import GROUP_KEYS
+from pacing.policy.errors import PolicyError, shown
+from pacing.policy.model import GROUP_KEYS, KINDS, Limits, Policy
 
+#: The key of the attributes beside the pieces (``attributes_of``).
+ATTRIBUTES_KEY: Final = "attributes"
+#: The ``Limits`` attributes the pieces carry.
+CARRIED: Final = ("tokens_per_second", "exempt", "weight")
 #: The pieces, in the order of their document keys.
 PIECES: Final = (
     "default_rate",
@@ -132,3 +142,59 @@ def _list(pieces: Mapping[str, Any], name: str) -> list[Any]:
     if isinstance(value, set | frozenset | tuple):
         value = sorted(value) if all(isinstance(v, str) for v in value) else list(value)
     return check_list(value, "ids", (name,))
+
+
+def attributes_of(policy: Policy, carried: tuple[str, ...] = CARRIED) -> dict[str, Any]:
+    """The attributes ``policy``'s holders set that the pieces do not carry
+    (all but ``carried``), in the document's object form: ``default``,
+    ``users``, ``tiers``, ``teams``, each holder with none left out; empty
+    when there are none."""
+    tree: dict[str, Any] = {}
+    default = _beyond(policy.default, carried)
+    if default:
+        tree[DEFAULT_KEY] = default
+    holders: list[tuple[str, Mapping[str, Limits]]] = [
+        (USERS_KEY, {user: entry.limits for user, entry in policy.users.items()}),
+        *((GROUP_KEYS[kind], policy.groups[kind]) for kind in KINDS),
+    ]
+    for key, limits_of in holders:
+        part = {
+            name: own
+            for name, limits in limits_of.items()
+            if (own := _beyond(limits, carried))
+        }
+        if part:
+            tree[key] = part
+    return tree
+
+
+def with_attributes(tree: Mapping[str, Any], attributes: Any) -> dict[str, Any]:
+    """``tree`` (of ``tree_of``) with ``attributes`` (of ``attributes_of``)
+    merged into its holders' objects; ``PolicyError`` at ``attributes`` for
+    one of the wrong shape."""
+    merged = dict(tree)
+    given = check_object(attributes, "of holders' attributes", (ATTRIBUTES_KEY,))
+    for key, part in given.items():
+        where = (ATTRIBUTES_KEY, str(key))
+        if key == DEFAULT_KEY:
+            merged[DEFAULT_KEY] = dict(check_object(part, "", where))
+            continue
+        if key not in (USERS_KEY, *GROUP_KEYS.values()):
+            raise PolicyError(f"unknown holders {shown(key)}", where)
+        holders = dict(merged.get(key) or {})
+        for name, own in check_object(part, "", where).items():
+            own = check_object(own, "", (*where, str(name)))
+            below = holders.get(name, {})
+            if not isinstance(below, Mapping):  # a user's number shorthand
+                below = {RATE_KEY: below}
+            holders[name] = {**below, **own}
+        merged[key] = holders
+    return merged
+
+
+def _beyond(limits: Limits, carried: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        name: getattr(limits, name)
+        for name in limits.set_attributes()
+        if name not in carried
+    }

@@ -13,7 +13,9 @@ import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from control.runner import attach
-from pacing.policy.model import Limits, Policy
+from pacing.fair_share_policy import policy_of as share_policy_of
+from pacing.policy.document import parse
+from pacing.policy.model import Limits, Policy, policy_of
 from pacing.settings.flags import (
     ADDRESS_FLAG,
     CONFIG_FLAG,
@@ -26,6 +28,7 @@ from pacing.settings.flags import (
 from pacing.settings.model import ADDITIONAL_CONFIG_KEY, OutputRateSettings
 from tests import serve_parser_harness
 from tests.control_harness import make_rig
+from tools.scheduler_harness import make_scheduler
 
 default_control_port_taken_or_not = (
     serve_parser_harness.default_control_port_taken_or_not
@@ -197,3 +200,26 @@ def test_with_the_control_plane_off_the_file_is_loaded_and_watched(tmp_path):
         assert plane.snapshot().config_reloads == {"success": 1, "failure": 0}
     finally:
         plane.stop()
+
+
+def test_the_schedulers_policy_in_force_is_the_start_up_policy(tiny_model_dir):
+    policy = {
+        "default": {"tokens_per_second": 100},
+        "tiers": {"pro": {"tokens_per_second": 50, "weight": 2}},
+        "teams": {"acme": {"tokens_per_second": 80}},
+        "users": {"a": {"tokens_per_second": 7, "tier": "pro", "team": "acme"}},
+    }
+    scheduler = make_scheduler(
+        tiny_model_dir, default_rate=None, output_rate={"policy": policy}
+    )
+    shared = scheduler.output_rate_shared
+    with shared.lock:
+        in_force = shared.policy_in_force()
+        read_back = policy_of(
+            default_rate=shared.limiter.default_rate,
+            table=shared.limiter.limits(),
+            teams=shared.teams.table.copy(),
+            share=share_policy_of(shared.fair_share),
+        )
+    assert in_force.same_table(parse(policy).policy)
+    assert in_force.same_table(read_back)

@@ -169,6 +169,55 @@ def test_a_table_is_stored_as_the_document_the_previous_version_wrote(name):
     assert decode(document.encode()) == table  # as Redis answers: bytes
 
 
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_an_attribute_the_pieces_do_not_carry_travels_beside_them(name):
+    """Stored as if the pieces carried no weights, every weight goes under
+    ``attributes`` in the document's object form, and the same policy comes
+    back: how an attribute without a piece of its own is carried."""
+    table, _ = GOLDEN[name]
+    document = encode(table, carried=("tokens_per_second", "exempt"))
+    raw = json.loads(document)
+    assert "weights" not in raw
+    weights = table.share_policy()
+    assert bool(weights.users or weights.tiers or weights.teams) == (
+        "attributes" in raw
+    )
+    for user, weight in weights.users.items():
+        assert raw["attributes"]["users"][user] == {"weight": weight}
+    assert decode(document) == table
+
+
+@pytest.mark.parametrize(
+    ("attributes", "message"),
+    [
+        ([], "limits document: attributes: must be"),
+        ({"groups": {}}, "limits document: attributes.groups: unknown holders"),
+        (
+            {"users": {"a": {"weight": 0}}},
+            "limits document: users.a.weight: must be a number in (0, 1e+06]",
+        ),
+        (
+            {"users": {"a": {"tier": "nope"}}},
+            "limits document: users.a.tier: unknown tier 'nope'",
+        ),
+    ],
+    ids=["not-an-object", "unknown-holders", "bad-weight", "unknown-tier"],
+)
+def test_bad_attributes_beside_the_pieces_are_refused(attributes, message):
+    document = json.loads(GOLDEN["bare"][1])
+    document["attributes"] = attributes
+    with pytest.raises(ValueError) as error:
+        decode(json.dumps(document))
+    assert str(error.value).startswith(message)
+
+
+def test_an_attribute_given_as_a_piece_and_beside_it_is_refused():
+    document = json.loads(GOLDEN["weights-without-the-switch"][1])
+    document["attributes"] = {"users": {"bob": {"weight": 5.0}}}
+    with pytest.raises(ValueError, match="bob"):
+        decode(json.dumps(document))
+
+
 def test_the_policy_value_is_stored_as_its_tables_are():
     """The policy written holder by holder is the one of the runtime tables
     (``stored_table``): the same value, the same document."""
