@@ -67,6 +67,8 @@ class LimitsTable:
     default_tokens_per_second: int  #: 0 while pacing is off
     holders: Mapping[Kind, list[Holder]] = field(default_factory=dict)
     etag: str = ""
+    #: The default with every attribute it holds.
+    default: Limits = field(default_factory=Limits)
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def table_of(etags: Etags, policy: Policy, etag: str) -> LimitsTable:
             for holder_id in sorted(holders_of(policy, kind))
         )
         holders[kind] = [holder for holder in found if holder is not None]
-    return LimitsTable(policy.default_rate or 0, holders, etag)
+    return LimitsTable(policy.default_rate or 0, holders, etag, policy.default)
 
 
 def not_found(kind: Kind, holder_id: str) -> NotFound:

@@ -32,6 +32,7 @@ from control.resources import (
 from control.service.operations import LimitsService
 from pacing.budget import Health, StoreView
 from pacing.modes import Mode
+from pacing.policy.model import ATTRIBUTES, Limits
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 from protos.outputrate.v1 import output_rate_pb2_grpc as _pb2_grpc
 
@@ -74,18 +75,15 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
     def GetDefaultLimit(
         self, request: _pb2.GetDefaultLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.DefaultLimit:
-        rate = self._service.get_default_limit(request.name)
-        return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, tokens_per_second=rate)
+        return _default(self._service.get_default(request.name))
 
     def UpdateDefaultLimit(
         self, request: _pb2.UpdateDefaultLimitRequest, context: grpc.ServicerContext
     ) -> _pb2.DefaultLimit:
-        rate = self._service.update_default_limit(
-            request.default_limit.name,
-            request.default_limit.tokens_per_second,
-            list(request.update_mask.paths),
-        )
-        return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, tokens_per_second=rate)
+        message = request.default_limit
+        values = {name: getattr(message, name) for name in ATTRIBUTES["default"]}
+        paths = list(request.update_mask.paths)
+        return _default(self._service.update_default(message.name, values, paths))
 
     def GetLimit(
         self, request: _pb2.GetLimitRequest, context: grpc.ServicerContext
@@ -241,6 +239,7 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         self, request: _pb2.ReplaceLimitsTableRequest, context: grpc.ServicerContext
     ) -> _pb2.LimitsTable:
         table = request.limits_table
+        default = {name: getattr(table.default, name) for name in ATTRIBUTES["default"]}
         holders = {
             kind: [
                 HolderSpec(message.name, _values(kind, message))
@@ -250,7 +249,10 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
         }
         return _table(
             self._service.replace_limits_table(
-                table.default_tokens_per_second, holders, table.etag
+                table.default_tokens_per_second,
+                holders,
+                table.etag,
+                default if table.HasField("default") else None,
             )
         )
 
@@ -318,6 +320,15 @@ def _message(holder: Holder, reply: type[M] | None = None) -> M:
     return cast(M, message(name=holder.name, etag=holder.etag, **fields))
 
 
+def _default(limits: Limits) -> _pb2.DefaultLimit:
+    """The default as its message: each of its attributes, 0 for none."""
+    fields = {
+        name: 0 if (value := getattr(limits, name)) is None else value
+        for name in ATTRIBUTES["default"]
+    }
+    return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, **fields)
+
+
 def _values(kind: Kind, message: Any) -> dict[str, object]:
     """The wire value of each field of ``kind`` in ``message``."""
     return {name: getattr(message, name) for name in kind.fields}
@@ -355,6 +366,7 @@ def _table(table: LimitsTable) -> _pb2.LimitsTable:
         name=names.LIMITS_TABLE,
         default_tokens_per_second=table.default_tokens_per_second,
         etag=table.etag,
+        default=_default(table.default),
         **{
             kind.collection: [
                 _message(holder) for holder in table.holders.get(kind, [])

@@ -21,7 +21,7 @@ from control.errors import InvalidArgument
 from control.kinds import ALL, Kind
 from control.table import dumps, format_of, loads
 from pacing.policy.document import Document
-from pacing.policy.model import GroupKind, Limits, Policy, User
+from pacing.policy.model import ATTRIBUTES, GroupKind, Limits, Policy, User
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 
@@ -63,10 +63,11 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if doc.etag is not None and not encodes(doc.etag):
         raise InvalidArgument(f"{source}: etag must be well-formed Unicode")
     etag = "" if args.force else (doc.etag or "")
-    default = doc.policy.default_rate
-    if default is None:  # keep the current default, as read with its etag
+    default = _pb2.DefaultLimit(**_default_wire(doc.policy))
+    if doc.policy.default_rate is None:  # keep the current default, as read
         current = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
-        default = current.default_tokens_per_second
+        default = current.default  # with its etag
+        default.tokens_per_second = current.default_tokens_per_second
         etag = etag or ("" if args.force else current.etag)
     wire: dict[str, Any] = {
         kind.collection: [
@@ -79,7 +80,10 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "ReplaceLimitsTable",
         _pb2.ReplaceLimitsTableRequest(
             limits_table=_pb2.LimitsTable(
-                default_tokens_per_second=default, etag=etag, **wire
+                default_tokens_per_second=default.tokens_per_second,
+                etag=etag,
+                default=default,
+                **wire,
             )
         ),
     )
@@ -122,6 +126,13 @@ def _policy_of(table: _pb2.LimitsTable) -> Policy:
             else:
                 users[holder_id] = User(limits, memberships)
     default = Limits(table.default_tokens_per_second or None)
+    if table.HasField("default"):
+        given: dict[str, Any] = {
+            name: value
+            for name in ATTRIBUTES["default"]
+            if (value := getattr(table.default, name))
+        }
+        default = Limits(**given)
     return Policy(default=default, groups=groups, users=users)
 
 
@@ -135,3 +146,11 @@ def _wire_of(policy: Policy, kind: Kind) -> list[tuple[str, dict[str, object]]]:
         (user, kind.wire(entry.limits, entry.groups))
         for user, entry in sorted(policy.users.items())
     ]
+
+
+def _default_wire(policy: Policy) -> dict[str, Any]:
+    """The default's attributes as the API carries them (0 for none)."""
+    return {
+        name: 0 if (value := getattr(policy.default, name)) is None else value
+        for name in ATTRIBUTES["default"]
+    }

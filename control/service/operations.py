@@ -52,7 +52,7 @@ from control.service.user_states import (
     WatchPlan,
 )
 from pacing.modes import Mode
-from pacing.policy.model import Policy
+from pacing.policy.model import Limits, Policy
 from pacing.shared import SharedLimiter
 
 
@@ -90,17 +90,17 @@ class LimitsService:
 
     # -- the default -------------------------------------------------------
 
-    def get_default_limit(self, name: str) -> int:
-        """The default limit in tokens/s (0 while pacing is off)."""
-        return reads.get_default_limit(self._commits, name)
+    def get_default(self, name: str) -> Limits:
+        """The default's limits (no rate while pacing is off)."""
+        return reads.get_default(self._commits, name)
 
-    def update_default_limit(
-        self, name: str, tokens_per_second: int, update_mask: Sequence[str]
-    ) -> int:
-        """Sets the default limit; returns it."""
-        return writes.update_default_limit(
-            self._commits, name, tokens_per_second, update_mask
-        )
+    def update_default(
+        self, name: str, values: Mapping[str, object], update_mask: Sequence[str] = ()
+    ) -> Limits:
+        """Changes the default's attributes (wire values: 0 for not set) that
+        ``update_mask`` selects; returns the default. See
+        ``writes.update_default``."""
+        return writes.update_default(self._commits, name, values, update_mask)
 
     # -- the holders of every kind ------------------------------------------
 
@@ -213,12 +213,14 @@ class LimitsService:
         default_tokens_per_second: int,
         holders: Mapping[Kind, Iterable[HolderSpec]],
         etag: str = "",
+        default: Mapping[str, object] | None = None,
     ) -> LimitsTable:
-        """Replaces the default and every holder of every kind, weights
-        included, at once (not the mode nor the fair-share switch); Aborted
-        when ``etag`` is not empty and not the current etag."""
+        """Replaces the default (``default``: each of its attributes, as the
+        wire gives them) and every holder of every kind, weights included, at
+        once (not the mode nor the fair-share switch); Aborted when ``etag``
+        is not empty and not the current etag."""
         return table_writes.replace_limits_table(
-            self._commits, default_tokens_per_second, holders, etag
+            self._commits, default_tokens_per_second, holders, etag, default
         )
 
     def reload(self, read: Callable[[], Policy | None]) -> bool:

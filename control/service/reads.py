@@ -11,13 +11,14 @@ from __future__ import annotations
 from control import names
 from control.resources import LimitsTable, PacingMode, pacing_mode, table_of
 from control.service.commits import TableCommits
+from pacing.policy.model import Limits
 
 
-def get_default_limit(commits: TableCommits, name: str) -> int:
-    """The default limit in tokens/s (0 while pacing is off)."""
+def get_default(commits: TableCommits, name: str) -> Limits:
+    """The default's limits (no rate while pacing is off)."""
     names.check_singleton(name, names.DEFAULT_LIMIT, field="name")
     with commits.shared.lock:
-        return commits.shared.limiter.default_rate or 0
+        return commits.shared.policy.default
 
 
 def get_pacing_mode(commits: TableCommits, name: str) -> PacingMode:

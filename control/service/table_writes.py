@@ -23,13 +23,22 @@ from control.kinds import ALL, BY_HOLDER, Kind
 from control.resources import HolderSpec, LimitsTable, table_of
 from control.service.commits import TableCommits, replace_teams, replace_with
 from control.table import shown
-from pacing.policy.document import DEFAULT_RATE_KEY, FAIR_SHARE_KEY, USERS_KEY, parse
+from pacing.policy.document import (
+    DEFAULT_KEY,
+    DEFAULT_RATE_KEY,
+    FAIR_SHARE_KEY,
+    RATE_KEY,
+    USERS_KEY,
+    parse,
+)
 from pacing.policy.errors import PolicyError
 from pacing.policy.model import GROUP_KEYS, Policy
 
 
 def parse_table(
-    default_tokens_per_second: int, holders: Mapping[Kind, Iterable[HolderSpec]]
+    default_tokens_per_second: int,
+    holders: Mapping[Kind, Iterable[HolderSpec]],
+    default: Mapping[str, object] | None = None,
 ) -> Policy:
     """The table a ``ReplaceLimitsTable`` request holds, checked on its own by
     the policy's one validator (``pacing.policy.document``) once its resource
@@ -38,7 +47,16 @@ def parse_table(
     fair-share switch are None. A 0 stands for a field not set, as everywhere
     in the API."""
     fields: dict[tuple[str, str], str] = {}
-    tree: dict[str, Any] = {DEFAULT_RATE_KEY: default_tokens_per_second}
+    given = {name: value for name, value in (default or {}).items() if value}
+    rate = given.pop(RATE_KEY, None)
+    if rate is not None and default_tokens_per_second not in (0, rate):
+        raise InvalidArgument(
+            f"limits_table.default.{RATE_KEY}: {shown(rate)} differs from "
+            f"limits_table.default_tokens_per_second ({default_tokens_per_second})"
+        )
+    tree: dict[str, Any] = {DEFAULT_RATE_KEY: default_tokens_per_second or rate or 0}
+    if given:
+        tree[DEFAULT_KEY] = given
     for kind in sorted(ALL, key=lambda kind: not kind.is_group):  # groups first
         key = GROUP_KEYS[kind.holder] if kind.is_group else USERS_KEY  # type: ignore[index]
         part: dict[str, Any] = tree.setdefault(key, {})
@@ -88,6 +106,9 @@ def _in_request(error: PolicyError, fields: Mapping[tuple[str, str], str]) -> st
         return str(error)
     if parts[0] == DEFAULT_RATE_KEY:
         return f"limits_table.default_tokens_per_second: {error.message}"
+    if parts[0] == DEFAULT_KEY:
+        rest = "".join(f".{part}" for part in parts[1:])
+        return f"limits_table.default{rest}: {error.message}"
     if parts[0] in (GROUP_KEYS["tier"], GROUP_KEYS["team"]) and len(parts) == 1:
         field = f"limits_table.{parts[0]}"
         return f"{field}: {error.message}"
@@ -103,11 +124,12 @@ def replace_limits_table(
     default_tokens_per_second: int,
     holders: Mapping[Kind, Iterable[HolderSpec]],
     etag: str,
+    default: Mapping[str, object] | None = None,
 ) -> LimitsTable:
     """Replaces the default and every holder of every kind, weights included,
     at once (not the mode nor the fair-share switch); Aborted when ``etag`` is
     not empty and not the current etag."""
-    table = parse_table(default_tokens_per_second, holders)
+    table = parse_table(default_tokens_per_second, holders, default)
     with commits.changes:
         if etag and etag != commits.etag():
             raise Aborted(

@@ -13,7 +13,8 @@ change leaves the table, the mode and their etags as they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from control import names
 from control.errors import InvalidArgument
@@ -25,25 +26,48 @@ from control.service.write_requests import (
     mask_fields,
     set_fields,
 )
-from control.table import check_rate
 from pacing.modes import Mode
+from pacing.policy.errors import PolicyError
+from pacing.policy.model import ATTRIBUTES, RULES, Limits
 
 
-def update_default_limit(
-    commits: TableCommits, name: str, tokens_per_second: int, update_mask: Sequence[str]
-) -> int:
-    """Sets the default limit; returns it."""
+def update_default(
+    commits: TableCommits,
+    name: str,
+    values: Mapping[str, object],
+    update_mask: Sequence[str],
+) -> Limits:
+    """Changes the default's attributes that ``update_mask`` selects (empty:
+    those set, else the rate); returns the default. Its rate cannot be cleared
+    (pacing stays on)."""
     names.check_singleton(name, names.DEFAULT_LIMIT, field="default_limit.name")
-    mask_fields(update_mask, (RATE_FIELD,), {RATE_FIELD})
-    rate = check_rate(tokens_per_second, field="default_limit.tokens_per_second")
+    attributes = ATTRIBUTES["default"]
+    given = {attribute for attribute in attributes if values.get(attribute)}
+    fields = mask_fields(update_mask, attributes, given)
+    changes: dict[str, Any] = {}
+    for attribute in attributes:
+        if attribute not in fields:
+            continue
+        value = values.get(attribute)
+        if value or attribute == RATE_FIELD:
+            where = f"default_limit.{attribute}"
+            try:
+                changes[attribute] = RULES[attribute](value, field=where)
+            except PolicyError as error:
+                raise InvalidArgument(str(error)) from None
+        else:
+            changes[attribute] = getattr(Limits(), attribute)
     with commits.changes:
         current = commits.current()
-        default = dataclasses.replace(current.default, tokens_per_second=rate)
+        default = dataclasses.replace(current.default, **changes)
+        rate = default.tokens_per_second
         commits.commit(
             dataclasses.replace(current, default=default),
-            lambda limiter, now: limiter.set_default_rate(rate, now),
+            None
+            if rate is None  # pacing off, and the rate not asked for
+            else lambda limiter, now: limiter.set_default_rate(rate, now),
         )
-    return rate
+    return default
 
 
 def update_pacing_mode(

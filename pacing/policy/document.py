@@ -140,6 +140,8 @@ def to_tree(document: Document) -> dict[str, Any]:
         tree[FAIR_SHARE_KEY] = policy.fair_share
     if policy.default_rate is not None:
         tree[DEFAULT_RATE_KEY] = policy.default_rate
+    if beyond := _attributes(policy.default, aliased=(RATE_KEY,)):
+        tree[DEFAULT_KEY] = beyond
     weights: dict[str, dict[str, float]] = {}
     for kind in KINDS:
         groups = dict(sorted(policy.groups[kind].items()))

@@ -171,7 +171,7 @@ def test_the_policy_in_force_is_what_the_runtime_holds_after_every_change():
                 group = rng.choice(tiers if kind is TIERS else teams)
                 service.delete(kind, kind.name(group), allow_missing=True)
             elif choice == 4:
-                service.update_default_limit("", rng.choice([10, 20]), [])
+                service.update_default("", {"tokens_per_second": rng.choice([10, 20])})
             elif choice == 5:
                 service.delete(USERS, f"limits/{rng.choice(users)}", allow_missing=True)
             else:
@@ -181,3 +181,35 @@ def test_the_policy_in_force_is_what_the_runtime_holds_after_every_change():
             pass  # refused: nothing changed, which the check below also covers
         assert rig.shared.policy.same_table(runtime_policy(rig.shared))
     assert changes > 100
+
+
+def test_the_table_carries_the_default_with_every_attribute_it_holds(served):
+    table = served.stub.GetLimitsTable(pb.GetLimitsTableRequest())
+    assert table.default == pb.DefaultLimit(
+        name="defaultLimit", tokens_per_second=table.default_tokens_per_second
+    )
+    replaced = served.stub.ReplaceLimitsTable(
+        pb.ReplaceLimitsTableRequest(
+            limits_table=pb.LimitsTable(default=pb.DefaultLimit(tokens_per_second=30))
+        )
+    )
+    assert (replaced.default_tokens_per_second, replaced.default.tokens_per_second) == (
+        30,
+        30,
+    )
+    assert served.rig.shared.limiter.default_rate == 30
+    with pytest.raises(grpc.RpcError) as error:
+        served.stub.ReplaceLimitsTable(
+            pb.ReplaceLimitsTableRequest(
+                limits_table=pb.LimitsTable(
+                    default_tokens_per_second=40,
+                    default=pb.DefaultLimit(tokens_per_second=50),
+                )
+            )
+        )
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == (
+        "limits_table.default.tokens_per_second: 50 differs from "
+        "limits_table.default_tokens_per_second (40)"
+    )
+    assert served.rig.shared.limiter.default_rate == 30

@@ -335,7 +335,7 @@ def test_changes_while_pacing_is_off_write_a_valid_file(tmp_path):
     )
     assert service.get_limits_table("").default_tokens_per_second == 0
     assert rig.limiter.rate_of("a") == 0  # explicit limits wait for a default
-    service.update_default_limit("", 9, [])
+    service.update_default("", {"tokens_per_second": 9})
     assert rig.limiter.rate_of("a") == 5
     assert file.load().policy == table(9, {"a": 5}, mode=Mode.ENFORCE, fair_share=False)
 
@@ -554,7 +554,7 @@ def test_an_edit_keeping_a_member_of_a_removed_tier_is_refused(path, rig):
 
 def test_a_written_file_lists_every_section_for_operators_to_fill(path, rig):
     service, _ = started(path, rig)
-    service.update_default_limit("", 11, [])
+    service.update_default("", {"tokens_per_second": 11})
     text = path.read_text()
     assert yaml.safe_load(text) == {  # JSON is YAML, too
         "mode": "enforce",

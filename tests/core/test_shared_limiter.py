@@ -21,7 +21,7 @@ def test_a_change_waits_for_the_step_holding_the_lock():
     applied = threading.Event()
 
     def change() -> None:
-        service.update_default_limit("", 20, [])
+        service.update_default("", {"tokens_per_second": 20})
         applied.set()
 
     with rig.shared.lock:  # the scheduler is inside schedule()
@@ -39,7 +39,7 @@ def test_wake_can_be_attached_after_construction():
     rig.shared.wake()  # the harness's recorder
     calls = []
     rig.shared.set_wake(lambda: calls.append(1))
-    LimitsService(rig.shared).update_default_limit("", 11, [])
+    LimitsService(rig.shared).update_default("", {"tokens_per_second": 11})
     assert (len(rig.wakes), calls) == (1, [1])
     rig.shared.set_wake(None)
     rig.shared.wake()  # nothing to wake: no error

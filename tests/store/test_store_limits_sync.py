@@ -608,13 +608,13 @@ def test_with_a_store_the_config_file_seeds_is_not_watched_and_keeps_each_versio
         assert plane.watcher is None
         # No store connected yet: refused, not applied here alone.
         with pytest.raises(Unavailable, match="not connected yet"):
-            plane.service.update_default_limit("defaultLimit", 9, [])
+            plane.service.update_default("defaultLimit", {"tokens_per_second": 9})
         assert rig.limiter.default_rate == 7
         sync = LimitsSync(RedisStore(client), rig.shared, period_s=NEVER_S)
         sync.start()
         try:
             assert stored(client)[1].limit_table().user_rates == {"alice": 3}
-            plane.service.update_default_limit("defaultLimit", 9, [])
+            plane.service.update_default("defaultLimit", {"tokens_per_second": 9})
             assert stored(client)[1].default_rate == 9
             assert rig.limiter.default_rate == 9
         finally:

@@ -72,20 +72,22 @@ class Team(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class LimitsTable(_message.Message):
-    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams")
+    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams", "default")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TEAMS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FIELD_NUMBER: _ClassVar[int]
     name: str
     default_tokens_per_second: int
     limits: _containers.RepeatedCompositeFieldContainer[Limit]
     etag: str
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
     teams: _containers.RepeatedCompositeFieldContainer[Team]
-    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., teams: _Optional[_Iterable[_Union[Team, _Mapping]]] = ...) -> None: ...
+    default: DefaultLimit
+    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., teams: _Optional[_Iterable[_Union[Team, _Mapping]]] = ..., default: _Optional[_Union[DefaultLimit, _Mapping]] = ...) -> None: ...
 
 class PacingMode(_message.Message):
     __slots__ = ("name", "mode", "etag", "fair_share")
