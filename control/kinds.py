@@ -87,10 +87,7 @@ class Kind:
     ) -> dict[str, object]:
         """Each field as the API carries it: 0, false or "" for none, a
         membership as the group's resource name."""
-        values: dict[str, object] = {}
-        for name in self.attributes:
-            value = getattr(limits, name)
-            values[name] = 0 if value is None else value
+        values = attributes_wire(limits, self.attributes)
         for kind in self.references:
             group = groups.get(kind)
             values[kind] = "" if group is None else BY_HOLDER[kind].name(group)
@@ -101,12 +98,7 @@ class Kind:
     ) -> tuple[Limits, dict[GroupKind, str]]:
         """The limits and memberships that wire ``values`` say, as the server
         sent them (not checked again)."""
-        defaults = Limits()
-        given: dict[str, Any] = {
-            name: values[name] if values.get(name) else getattr(defaults, name)
-            for name in self.attributes
-        }
-        limits = Limits(**given)
+        limits = attributes_unwire(values, self.attributes)
         groups = {
             kind: BY_HOLDER[kind].id_of(str(values[kind]))
             for kind in self.references
@@ -117,6 +109,25 @@ class Kind:
     def check_id(self, holder_id: str, *, field: str) -> str:
         """``holder_id`` if it is a valid id (the user-id rule)."""
         return check_user(holder_id, field=field)
+
+
+def attributes_wire(limits: Limits, attributes: tuple[str, ...]) -> dict[str, Any]:
+    """``attributes`` of ``limits`` as the API carries them: 0 for none."""
+    return {
+        name: 0 if (value := getattr(limits, name)) is None else value
+        for name in attributes
+    }
+
+
+def attributes_unwire(
+    values: Mapping[str, object], attributes: tuple[str, ...]
+) -> Limits:
+    """The limits that wire ``values`` of ``attributes`` say (0, false: none),
+    as the server sent them (not checked again)."""
+    given: dict[str, Any] = {
+        name: values[name] for name in attributes if values.get(name)
+    }
+    return Limits(**given)
 
 
 USERS: Final = Kind("user", "limits", "limit", "Limit")

@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 
 from control import names
 from control.errors import ResourceExhausted
-from control.kinds import ALL, TEAMS, TIERS, USERS, Kind
+from control.kinds import ALL, TEAMS, TIERS, USERS, Kind, attributes_wire
 from control.resources import (
     Holder,
     HolderSpec,
@@ -322,10 +322,7 @@ def _message(holder: Holder, reply: type[M] | None = None) -> M:
 
 def _default(limits: Limits) -> _pb2.DefaultLimit:
     """The default as its message: each of its attributes, 0 for none."""
-    fields = {
-        name: 0 if (value := getattr(limits, name)) is None else value
-        for name in ATTRIBUTES["default"]
-    }
+    fields = attributes_wire(limits, ATTRIBUTES["default"])
     return _pb2.DefaultLimit(name=names.DEFAULT_LIMIT, **fields)
 
 

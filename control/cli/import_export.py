@@ -18,7 +18,7 @@ from typing import Any, TextIO, cast
 from control.cli.client import EXIT_OK, Client, UsageError
 from control.cli.render import encodes, print_error, print_json
 from control.errors import InvalidArgument
-from control.kinds import ALL, Kind
+from control.kinds import ALL, Kind, attributes_unwire, attributes_wire
 from control.table import dumps, format_of, loads
 from pacing.policy.document import Document
 from pacing.policy.model import ATTRIBUTES, GroupKind, Limits, Policy, User
@@ -63,7 +63,9 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if doc.etag is not None and not encodes(doc.etag):
         raise InvalidArgument(f"{source}: etag must be well-formed Unicode")
     etag = "" if args.force else (doc.etag or "")
-    default = _pb2.DefaultLimit(**_default_wire(doc.policy))
+    default = _pb2.DefaultLimit(
+        **attributes_wire(doc.policy.default, ATTRIBUTES["default"])
+    )
     if doc.policy.default_rate is None:  # keep the current default, as read
         current = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
         default = current.default  # with its etag
@@ -127,12 +129,9 @@ def _policy_of(table: _pb2.LimitsTable) -> Policy:
                 users[holder_id] = User(limits, memberships)
     default = Limits(table.default_tokens_per_second or None)
     if table.HasField("default"):
-        given: dict[str, Any] = {
-            name: value
-            for name in ATTRIBUTES["default"]
-            if (value := getattr(table.default, name))
-        }
-        default = Limits(**given)
+        attributes = ATTRIBUTES["default"]
+        values = {name: getattr(table.default, name) for name in attributes}
+        default = attributes_unwire(values, attributes)
     return Policy(default=default, groups=groups, users=users)
 
 
@@ -146,11 +145,3 @@ def _wire_of(policy: Policy, kind: Kind) -> list[tuple[str, dict[str, object]]]:
         (user, kind.wire(entry.limits, entry.groups))
         for user, entry in sorted(policy.users.items())
     ]
-
-
-def _default_wire(policy: Policy) -> dict[str, Any]:
-    """The default's attributes as the API carries them (0 for none)."""
-    return {
-        name: 0 if (value := getattr(policy.default, name)) is None else value
-        for name in ATTRIBUTES["default"]
-    }
