@@ -92,6 +92,10 @@ REFUNDS = "vllm:output_rate_refunds_total"
 THROTTLED_PREEMPTIONS = "vllm:output_rate_throttled_preemptions_total"
 SHADOW_SKIPS = "vllm:output_rate_shadow_skips_total"
 ENGINE_LATE_SECONDS = "vllm:output_rate_engine_late_seconds_total"
+PROMPT_TOKENS_CHARGED = "vllm:output_rate_prompt_tokens_charged_total"
+PROMPT_HELD_SKIPS = "vllm:output_rate_prompt_held_skips_total"
+PROMPT_SHADOW_HOLDS = "vllm:output_rate_prompt_shadow_holds_total"
+PROMPT_WAIT_SECONDS = "vllm:output_rate_prompt_wait_seconds_total"
 IDLE_WAIT_SECONDS = "vllm:output_rate_idle_wait_seconds"
 THROTTLED_REQUESTS = "vllm:output_rate_throttled_requests"
 TRACKED_USERS = "vllm:output_rate_tracked_users"
@@ -106,6 +110,10 @@ TIER_REFUNDS = "vllm:output_rate_tier_refunds_total"
 TIER_THROTTLED_PREEMPTIONS = "vllm:output_rate_tier_throttled_preemptions_total"
 TIER_SHADOW_SKIPS = "vllm:output_rate_tier_shadow_skips_total"
 TIER_ENGINE_LATE_SECONDS = "vllm:output_rate_tier_engine_late_seconds_total"
+TIER_PROMPT_TOKENS_CHARGED = "vllm:output_rate_tier_prompt_tokens_charged_total"
+TIER_PROMPT_HELD_SKIPS = "vllm:output_rate_tier_prompt_held_skips_total"
+TIER_PROMPT_SHADOW_HOLDS = "vllm:output_rate_tier_prompt_shadow_holds_total"
+TIER_PROMPT_WAIT_SECONDS = "vllm:output_rate_tier_prompt_wait_seconds_total"
 TIER_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_tier_limit_tokens_per_second"
 STORE_ROUND_TRIPS = "vllm:output_rate_store_round_trips_total"
 STORE_ROUND_TRIP_SECONDS = "vllm:output_rate_store_round_trip_seconds"
@@ -125,6 +133,10 @@ TEAM_REFUNDS = "vllm:output_rate_team_refunds_total"
 TEAM_THROTTLED_PREEMPTIONS = "vllm:output_rate_team_throttled_preemptions_total"
 TEAM_SHADOW_SKIPS = "vllm:output_rate_team_shadow_skips_total"
 TEAM_ENGINE_LATE_SECONDS = "vllm:output_rate_team_engine_late_seconds_total"
+TEAM_PROMPT_TOKENS_CHARGED = "vllm:output_rate_team_prompt_tokens_charged_total"
+TEAM_PROMPT_HELD_SKIPS = "vllm:output_rate_team_prompt_held_skips_total"
+TEAM_PROMPT_SHADOW_HOLDS = "vllm:output_rate_team_prompt_shadow_holds_total"
+TEAM_PROMPT_WAIT_SECONDS = "vllm:output_rate_team_prompt_wait_seconds_total"
 TEAM_FAIR_SHARE_SERVICE = "vllm:output_rate_team_fair_share_service_total"
 TEAM_FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_team_fair_share_preemptions_total"
 TEAM_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_team_limit_tokens_per_second"
@@ -144,6 +156,10 @@ USER_COUNTERS = {
     "engine_late_ns": ENGINE_LATE_SECONDS,
     "fair_share_service": FAIR_SHARE_SERVICE,
     "fair_share_preemptions": FAIR_SHARE_PREEMPTIONS,
+    "prompt_tokens_charged": PROMPT_TOKENS_CHARGED,
+    "prompt_held_skips": PROMPT_HELD_SKIPS,
+    "prompt_shadow_holds": PROMPT_SHADOW_HOLDS,
+    "prompt_wait_ns": PROMPT_WAIT_SECONDS,
 }
 #: Payload counter field -> exported per-tier counter name.
 TIER_COUNTERS = {
@@ -155,6 +171,10 @@ TIER_COUNTERS = {
     "engine_late_ns": TIER_ENGINE_LATE_SECONDS,
     "fair_share_service": TIER_FAIR_SHARE_SERVICE,
     "fair_share_preemptions": TIER_FAIR_SHARE_PREEMPTIONS,
+    "prompt_tokens_charged": TIER_PROMPT_TOKENS_CHARGED,
+    "prompt_held_skips": TIER_PROMPT_HELD_SKIPS,
+    "prompt_shadow_holds": TIER_PROMPT_SHADOW_HOLDS,
+    "prompt_wait_ns": TIER_PROMPT_WAIT_SECONDS,
 }
 #: Payload counter field -> exported per-team counter name.
 TEAM_COUNTERS = {
@@ -166,10 +186,14 @@ TEAM_COUNTERS = {
     "engine_late_ns": TEAM_ENGINE_LATE_SECONDS,
     "fair_share_service": TEAM_FAIR_SHARE_SERVICE,
     "fair_share_preemptions": TEAM_FAIR_SHARE_PREEMPTIONS,
+    "prompt_tokens_charged": TEAM_PROMPT_TOKENS_CHARGED,
+    "prompt_held_skips": TEAM_PROMPT_HELD_SKIPS,
+    "prompt_shadow_holds": TEAM_PROMPT_SHADOW_HOLDS,
+    "prompt_wait_ns": TEAM_PROMPT_WAIT_SECONDS,
 }
 #: What one unit of a payload counter field is in its exported counter's unit
 #: (fields not listed: 1).
-COUNTER_UNITS = {"engine_late_ns": 1e-9}
+COUNTER_UNITS = {"engine_late_ns": 1e-9, "prompt_wait_ns": 1e-9}
 #: Payload store token field -> exported counter name.
 STORE_TOKEN_COUNTERS = {
     "claimed": STORE_TOKENS_CLAIMED,
@@ -196,6 +220,16 @@ _DOCS = {
     "budget lapsed unspent because the engine came late (slow steps, a starved "
     "process), not because of its limit. The user may fall short of its limit "
     "by up to limit times this.",
+    PROMPT_TOKENS_CHARGED: "Uncached prompt tokens the engine computed for a "
+    "user, charged to its prompt budget when scheduled (prefix-cache hits and "
+    "recomputation after a preemption are free); counted while any holder has "
+    "a prompt rate.",
+    PROMPT_HELD_SKIPS: "Times a request's prefill was held in a scheduler step "
+    "because its user had no prompt budget.",
+    PROMPT_SHADOW_HOLDS: "In shadow mode: times a request computed its prompt "
+    "where enforce mode would have held it for lack of prompt budget.",
+    PROMPT_WAIT_SECONDS: "Time requests of a user waited held for prompt "
+    "budget, counted when each goes on (or ends).",
     IDLE_WAIT_SECONDS: "Time the engine loop blocked on its input queue because "
     "every ready request was throttled.",
     THROTTLED_REQUESTS: "Requests passed over for lack of budget in the latest "
@@ -217,6 +251,12 @@ _DOCS = {
     "members of a tier.",
     TIER_ENGINE_LATE_SECONDS: "Engine-late time of the members of a tier, "
     "summed over them.",
+    TIER_PROMPT_TOKENS_CHARGED: "Prompt tokens charged to the members of a tier.",
+    TIER_PROMPT_HELD_SKIPS: "Prompt holds of the members of a tier.",
+    TIER_PROMPT_SHADOW_HOLDS: "Shadow prompt holds (what enforce would have "
+    "held) of the members of a tier.",
+    TIER_PROMPT_WAIT_SECONDS: "Time the members of a tier waited held for "
+    "prompt budget, summed over them.",
     TIER_LIMIT_TOKENS_PER_SECOND: "Output-token limit of each member of a tier "
     "(members without a limit of their own); no sample for an exempt tier.",
     STORE_ROUND_TRIPS: "Round trips of the engine's claimer to the global store "
@@ -253,6 +293,13 @@ _DOCS = {
     TEAM_FAIR_SHARE_SERVICE: "Weighted service the members of a team received "
     "under fair share, summed over them.",
     TEAM_FAIR_SHARE_PREEMPTIONS: "Fair-share preemptions of the members of a team.",
+    TEAM_PROMPT_TOKENS_CHARGED: "Prompt tokens charged to the members of a team.",
+    TEAM_PROMPT_HELD_SKIPS: "Prompt holds of the members of a team (for lack "
+    "of their own prompt budget or the team's).",
+    TEAM_PROMPT_SHADOW_HOLDS: "Shadow prompt holds (what enforce would have "
+    "held) of the members of a team.",
+    TEAM_PROMPT_WAIT_SECONDS: "Time the members of a team waited held for "
+    "prompt budget, summed over them.",
     TEAM_LIMIT_TOKENS_PER_SECOND: "Output-token limit a team's members share, in "
     "tokens per second.",
     TEAM_MEMBERS_STREAMING: "Members of a team with live requests on the engine, "

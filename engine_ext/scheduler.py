@@ -246,6 +246,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             self._refused.append(request)
             return
         self._users.add(request_id, identity.user, paced=self.limiter.enabled)
+        self._steps.prompt.add(request)
 
     def _free_request(
         self, request: Request, delay_free_blocks: bool = False

@@ -26,6 +26,15 @@ class UserCounters:
     fair_share_service: float = 0.0
     #: running requests that yielded their slot to a user below its fair share
     fair_share_preemptions: int = 0
+    #: uncached prompt tokens computed, charged to the prompt budget
+    #: (``pacing.prompt_budget``; counted while any holder has a prompt rate)
+    prompt_tokens_charged: int = 0
+    #: requests held in a step for lack of prompt budget
+    prompt_held_skips: int = 0
+    #: requests shadow mode let compute where enforce would have held them
+    prompt_shadow_holds: int = 0
+    #: ns requests waited held for prompt budget, counted when each goes on
+    prompt_wait_ns: int = 0
 
     def add(self, other: UserCounters) -> None:
         for f in fields(self):

@@ -35,6 +35,7 @@ from pacing.limits import MAX_RATE, OFF, LimitSource, LimitTable, validate_rate
 __all__ = [
     "DEFAULT_BURST_NS",
     "MAX_RATE",
+    "NO_DEFAULT",
     "NS_PER_S",
     "UNLIMITED",
     "LimitSource",
@@ -47,6 +48,8 @@ NS_PER_S = 1_000_000_000
 DEFAULT_BURST_NS = 100_000_000
 #: ``available`` for a user who is not limited: more than any step can charge.
 UNLIMITED = 2**62
+#: The default rate that limits nobody the table does not name.
+NO_DEFAULT = 0
 
 
 @dataclass(slots=True)
@@ -62,7 +65,10 @@ class OutputRateLimiter:
     user's requests.
 
     ``default_rate=None`` means the feature is off: every ``try_take`` succeeds
-    (the table is kept, and applies once a default is set). ``user_rates``
+    (the table is kept, and applies once a default is set). With
+    ``table_only``, ``default_rate=NO_DEFAULT`` (0) limits only the users the
+    table names (the prompt rates, ``pacing.prompt_budget``, may have no
+    default); otherwise 0 is refused like any invalid rate. ``user_rates``
     overrides the default for named users; ``tier_rates``, ``memberships``,
     ``exempt_users`` and ``exempt_tiers`` complete the table (``pacing.limits``
     says how a user's limit is resolved). An exempt user is never throttled and
@@ -79,9 +85,11 @@ class OutputRateLimiter:
         memberships: Mapping[str, str] | None = None,
         exempt_users: Iterable[str] = (),
         exempt_tiers: Iterable[str] = (),
+        table_only: bool = False,
     ) -> None:
+        self._table_only = table_only
         if default_rate is not None:
-            validate_rate(default_rate, field="default_rate")
+            self._validate_default(default_rate)
         if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns < 0:
             raise ValueError(
                 f"burst_ns must be a non-negative integer, got {burst_ns!r}"
@@ -243,11 +251,11 @@ class OutputRateLimiter:
         remaining: dict[str, int] = {}
         for user, count in counts.items():
             rate = rate_of(user, default)
-            if rate == default:
-                scaled_now, limit = default_now, default_limit
-            elif rate == 0:
+            if rate == 0:
                 remaining[user] = UNLIMITED
                 continue
+            if rate == default:
+                scaled_now, limit = default_now, default_limit
             else:
                 scaled = bounds.get(rate)
                 if scaled is None:
@@ -355,14 +363,19 @@ class OutputRateLimiter:
         self._apply(list(self._cells) if users is None else users, now_ns)
 
     def set_default_rate(self, rate: int, now_ns: int) -> None:
-        """Sets the default limit (turning limiting on); users with an explicit
-        limit, a tier or an exemption are unaffected, the others keep their token
-        debt as in ``set_rate``."""
-        validate_rate(rate, field="default_rate")
+        """Sets the default limit (turning limiting on; ``NO_DEFAULT``: only the
+        users the table names are limited); users with an explicit limit, a
+        tier or an exemption are unaffected, the others keep their token debt
+        as in ``set_rate``."""
+        self._validate_default(rate)
         self._default_rate = rate
         self._apply(
             [user for user in self._cells if user not in self._overrides], now_ns
         )
+
+    def _validate_default(self, rate: int) -> None:
+        if not (self._table_only and rate == NO_DEFAULT):
+            validate_rate(rate, field="default_rate")
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """Drops users whose TAT is not ahead of ``now_ns`` and returns how many.

@@ -47,6 +47,7 @@ from pacing.fair_share_policy import policy_of as share_policy_of
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
 from pacing.policy.model import Policy, policy_of
+from pacing.prompt_budget import PromptBudgets
 from pacing.recent_rate import NS_PER_S, RecentRates
 from pacing.store_stats import StoreStats
 from pacing.teams import TeamBudget, Teams
@@ -151,11 +152,13 @@ class SharedLimiter:
         #: a member's weight inside its team is its fair-share weight.
         self.teams = Teams(burst_ns=limiter.burst_ns) if teams is None else teams
         self.teams.weight_of = self._member_weight
-        #: The policy in force: what the limiter's table, the teams and the
-        #: weights were built from (``policy``; read back from them when not
-        #: given), its mode and switch aside (``mode`` and
-        #: ``fair_share.enabled`` hold them). Replaced with them, in the same
-        #: hold of the lock, by whatever applies a new table.
+        #: The prompt rates (``pacing.prompt_budget``): built from the policy in
+        #: force, and rebuilt whenever it is replaced (``policy``).
+        self.prompt = PromptBudgets(Policy())
+        self.prompt.teams.weight_of = self._member_weight
+        # The gateway's team of a user's live requests holds for both rates.
+        self.prompt.teams.gateway_teams = self.teams.gateway_teams
+        self._policy = Policy()
         self.policy = replace(
             policy
             or policy_of(
@@ -168,6 +171,20 @@ class SharedLimiter:
             fair_share=None,
         )
         self._team_budget: TeamBudget | None = None
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in force: what the limiter's table, the teams and the
+        weights were built from (given at start; read back from them when
+        not), its mode and switch aside (``mode`` and ``fair_share.enabled``
+        hold them). Replaced with them, in the same hold of the lock, by
+        whatever applies a new table; the prompt rates follow it here."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        self.prompt.apply(policy, self.clock())
 
     @property
     def budget(self) -> BudgetSource:

@@ -22,6 +22,8 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -59,6 +61,7 @@ def make_scheduler(
     output_rate: dict[str, object] | None = None,
     num_speculative_tokens: int = 0,
     max_loras: int = 0,
+    prefix_caching: bool = False,
 ):
     """A scheduler over ``num_blocks`` KV blocks; ``default_rate=None`` leaves
     pacing off unless ``output_rate`` holds a policy. ``scheduler_cls``
@@ -66,7 +69,8 @@ def make_scheduler(
     ``additional_config["output_rate"]`` (mode, tiers...);
     ``num_speculative_tokens`` turns on n-gram speculative decoding
     with that many draft tokens per step (the scheduler never runs the
-    drafter: ``Driver`` hands it drafts); ``max_loras`` serves LoRA adapters."""
+    drafter: ``Driver`` hands it drafts); ``max_loras`` serves LoRA adapters;
+    ``prefix_caching`` turns vLLM's prefix cache on."""
     model_config = ModelConfig(model=model_dir, max_model_len=512, dtype="float32")
     speculative_config = (
         SpeculativeConfig(
@@ -92,7 +96,9 @@ def make_scheduler(
         policy=policy,
         async_scheduling=async_scheduling,
     )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching
+    )
     cache_config.num_gpu_blocks = num_blocks
     additional = {}
     if default_rate is not None:
@@ -188,7 +194,13 @@ def make_request(
     max_tokens: int = 1000,
     priority: int = 0,
     request_id: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    cached: bool = False,
 ) -> Request:
+    """A request of ``user`` (None: no user id); its prompt is
+    ``prompt_token_ids``, else ``prompt_len`` tokens of a fixed pattern.
+    ``cached``: its blocks are hashed as the engine core hashes them, so that
+    a scheduler with ``prefix_caching`` finds its prefix in the cache."""
     extra_args = {"output_rate_user": user} if user is not None else None
     params = SamplingParams(
         max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
@@ -197,12 +209,19 @@ def make_request(
     rid = request_id or f"req-{n}"
     return Request(
         request_id=rid,
-        prompt_token_ids=[(i % 50) + 10 for i in range(prompt_len)],
+        prompt_token_ids=prompt_token_ids or [(i % 50) + 10 for i in range(prompt_len)],
         sampling_params=params,
         pooling_params=None,
         priority=priority,
         arrival_time=float(n),
+        block_hasher=_block_hasher() if cached else None,
     )
+
+
+def _block_hasher():
+    """The engine core's block hasher for ``BLOCK_SIZE`` (sha256)."""
+    init_none_hash(sha256)
+    return get_request_block_hasher(BLOCK_SIZE, sha256)
 
 
 #: How many of a request's scheduled draft tokens the model accepts: (request

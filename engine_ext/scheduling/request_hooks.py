@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.grants import PacedStep
 from engine_ext.scheduling.ordering import unbias
+from engine_ext.scheduling.prompt_gate import PromptStep
 from engine_ext.scheduling.upstream import (
     RUNNING,
     Upstream,
@@ -45,6 +46,7 @@ class RequestHooks:
     """The per-request hooks of paced steps, and upstream's own methods."""
 
     __slots__ = (
+        "prompt",
         "shared",
         "step",
         "upstream",
@@ -67,6 +69,8 @@ class RequestHooks:
         )
         #: The paced step in progress, if any.
         self.step: PacedStep | None = None
+        #: Its prompt decisions, while prompt budgets may hold someone.
+        self.prompt: PromptStep | None = None
 
     def paced(self) -> tuple[Callable[..., int], Callable[..., bool]]:
         """The hooks bound in paced steps, in ``STEP_HOOK_NAMES`` order."""
@@ -82,11 +86,28 @@ class RequestHooks:
     def reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        """A step that samples takes one token of its user's grant, or is
-        refused. Called for every scheduled request of a paced step."""
+        """A chunk cut to its user's prompt grant (``prompt_gate``), then a
+        step that samples takes one token of its user's grant, or is refused.
+        Called for every scheduled request of a paced step."""
         num_new_tokens = self.upstream_reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
+        prompt = self.prompt
+        if prompt is None or num_new_tokens == 0:
+            return self._reserve_output(request, num_computed_tokens, num_new_tokens)
+        num_new_tokens = prompt.allowed(request, num_computed_tokens, num_new_tokens)
+        if num_new_tokens == 0:
+            return 0
+        num_new_tokens = self._reserve_output(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_new_tokens:
+            prompt.reserve(request, num_computed_tokens, num_new_tokens)
+        return num_new_tokens
+
+    def _reserve_output(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
         step = self.step
         if step is None or num_new_tokens == 0:
             return num_new_tokens
@@ -162,7 +183,14 @@ class RequestHooks:
         compute or cache goes to items the step leaves out. The refusal is
         counted here; ``reserve_prefill_lookahead`` then sees a step that
         samples nothing. A step refused outright (0 tokens) is left whole:
-        upstream drops its encoder inputs with it."""
+        upstream drops its encoder inputs with it. A chunk is first cut to
+        its user's prompt grant, for the same reason."""
+        prompt = self.prompt
+        if prompt is not None and num_new_tokens:
+            num_new_tokens = (
+                prompt.allowed(request, num_computed_tokens, num_new_tokens)
+                or num_new_tokens
+            )
         step = self.step
         if (
             step is None
@@ -185,6 +213,11 @@ class RequestHooks:
         """A waiting request of a user without budget is skipped here (False),
         unless it may take a slot for a prefill that stops short of sampling."""
         if not self.upstream_handle_blocked_waiting_request(request):
+            return False
+        prompt = self.prompt
+        if prompt is not None and not prompt.admit(
+            request, self.upstream.prefix_hit_tokens
+        ):
             return False
         step = self.step
         if step is None or step.shadow:

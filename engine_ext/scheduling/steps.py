@@ -15,6 +15,10 @@
   per-request hooks bound (``request_hooks``), then the step settles
   (``settlement.settle_paced``) and ``running`` is restored.
 
+Prompt budgets (``prompt_gate``) make a step paced while a prompt-limited user
+has unpaid prompt that its known prompt headroom may not cover; every step's
+computed prompt tokens are charged once upstream has scheduled it.
+
 Invariant: a step is free or sleeper only when no per-request decision could
 differ from upstream's; every other step is paced.
 """
@@ -33,6 +37,7 @@ from engine_ext.scheduling.fair_share import FairShareSteps
 from engine_ext.scheduling.grants import PacedStep
 from engine_ext.scheduling.hiding import Hiding, put_back
 from engine_ext.scheduling.idle_users import IdleUsers
+from engine_ext.scheduling.prompt_gate import PromptGate
 from engine_ext.scheduling.request_hooks import RequestHooks
 from engine_ext.scheduling.slots import SlotYielding
 from engine_ext.scheduling.step_accounting import EngineLate, ThrottleEpisodes
@@ -85,6 +90,8 @@ class Steps:
             shared.limiter.tier_of,
             lambda user: shared.teams.team_of(user),
         )
+        #: Prompt budgets (``prompt_gate``): what each prompt has paid.
+        self.prompt = PromptGate(upstream, shared.prompt, book, shared.accounting)
         self.engine_late = EngineLate()
         #: Draft tokens charged in the steps in flight, refunded once rejected.
         self.drafts = DraftRefunds()
@@ -117,6 +124,7 @@ class Steps:
         seconds throttled if it was ever throttled (request tracing on)."""
         self.slots.yielded.discard(request_id)
         self.fair.request_ended(request_id)
+        self.prompt.ended(request_id, self.clock)
         if not self.episodes:
             return None
         return self.episodes.end(request_id, self.clock())
@@ -147,9 +155,13 @@ class Steps:
             self.seen_limit_changes = budget.limit_changes
             self.seen_budget = budget
             book.forget_headroom()
-        if not (book.constrained or self.slots.yielded or self.episodes):
+        prompt = self.prompt
+        prompt_paced = prompt.active and prompt.constrained()
+        if not (
+            book.constrained or self.slots.yielded or self.episodes or prompt_paced
+        ):
             return self.free_step(now_ns, budget, throttle_prefills)
-        if mode is Mode.ENFORCE:
+        if mode is Mode.ENFORCE and not prompt_paced:
             output = self.sleepers_step(now_ns, budget, throttle_prefills)
             if output is not None:
                 return output
@@ -159,6 +171,7 @@ class Steps:
             throttle_prefills,
             ordered=limit_changed or bool(book.maybe_without_budget),
             shadow=mode is Mode.SHADOW,
+            prompt_paced=prompt_paced,
         )
 
     def unpaced_step(self, throttle_prefills: bool) -> SchedulerOutput:
@@ -195,6 +208,8 @@ class Steps:
         output = upstream.schedule(throttle_prefills)
         if fair:
             self.fair.charge_service(output.num_scheduled_tokens, upstream.requests())
+        if self.prompt.active:
+            self.prompt.settle(None, output.num_scheduled_tokens, now_ns)
         scheduled_drafts = output.scheduled_spec_decode_tokens
         settlement.charge_free_step(
             self.book,
@@ -302,12 +317,14 @@ class Steps:
         *,
         ordered: bool,
         shadow: bool,
+        prompt_paced: bool = False,
     ) -> SchedulerOutput:
         """Upstream with the per-request hooks bound, then settlement. ``ordered``:
         a user may lack budget at the step's start or a limit changed, so
         ``running`` is ordered for the step (otherwise nobody can be parked at
         the start and the order would change nothing; a user running short in
-        this step is ordered from the next step on)."""
+        this step is ordered from the next step on). ``prompt_paced``: prompt
+        budgets may hold someone (``prompt_gate``)."""
         self.use_hooks(True)
         upstream = self.upstream
         step = self.hooks.step = PacedStep(
@@ -317,6 +334,10 @@ class Steps:
             capped=upstream.max_active < upstream.slots,
             shadow=shadow,
             episodes=self.episodes if self.tracing else None,
+        )
+        prompt = self.prompt
+        prompt_step = self.hooks.prompt = (
+            prompt.begin(now_ns, shadow=shadow) if prompt_paced else None
         )
         running = upstream.running
         persistent_order: list[Request] = []
@@ -341,7 +362,7 @@ class Steps:
                 hidden = self.hiding.hide_parked(step)
             output = upstream.schedule(throttle_prefills)
         finally:
-            self.hooks.step = None
+            self.hooks.step = self.hooks.prompt = None
             upstream.set_active_cap(upstream.max_active)
             running = upstream.running
             if hidden:
@@ -356,6 +377,15 @@ class Steps:
             self.slots.yielded,
             self.episodes,
         )
+        if prompt.active:
+            prompt_ready = prompt.settle(
+                prompt_step, output.num_scheduled_tokens, now_ns
+            )
+            if prompt_ready is not None:
+                ready = self.next_ready_ns
+                self.next_ready_ns = (
+                    prompt_ready if ready is None else min(ready, prompt_ready)
+                )
         if step.drafts:
             self.drafts.dispatched(
                 output,

@@ -93,6 +93,7 @@ class Upstream:
         "lora",
         "mamba_aligned",
         "max_active",
+        "prefill_lookahead",
         "prefix_caching",
         "priority_policy",
         "schedule",
@@ -125,6 +126,9 @@ class Upstream:
         #: Whether prefill chunks of a hybrid model must end on a Mamba block
         #: boundary (Mamba cache mode ``align``: state is written at chunk ends).
         self.mamba_aligned = bool(scheduler.need_mamba_block_aligned_split)
+        #: Prefill positions a multi-token-prediction drafter reads ahead: a
+        #: chunk must not end closer than that to the prefill's end (1: none).
+        self.prefill_lookahead: int = scheduler.num_prefill_lookahead
 
     @property
     def running(self) -> list[Request]:

@@ -46,13 +46,14 @@ RULES: Final[Mapping[str, Callable[..., object]]] = {
     "tokens_per_second": validate_rate,
     "exempt": validate_flag,
     "weight": validate_weight,
+    "prompt_tokens_per_second": validate_rate,
 }
 #: Holder -> the ``Limits`` attributes it may set.
 ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
-    "default": ("tokens_per_second",),
-    "user": ("tokens_per_second", "exempt", "weight"),
-    "tier": ("tokens_per_second", "exempt", "weight"),
-    "team": ("tokens_per_second", "weight"),
+    "default": ("tokens_per_second", "prompt_tokens_per_second"),
+    "user": ("tokens_per_second", "exempt", "weight", "prompt_tokens_per_second"),
+    "tier": ("tokens_per_second", "exempt", "weight", "prompt_tokens_per_second"),
+    "team": ("tokens_per_second", "weight", "prompt_tokens_per_second"),
 }
 
 
@@ -61,11 +62,13 @@ class Limits:
     """What a rate holder is given: its output rate in tokens per second
     (``None``: none of its own), whether it is exempt (unlimited, the rate kept
     for when the exemption is lifted), its fair-share weight (``None``: none of
-    its own)."""
+    its own), its prompt rate: the uncached prompt tokens the engine computes
+    for it per second (``None``: none of its own; ``pacing.prompt_budget``)."""
 
     tokens_per_second: int | None = None
     exempt: bool = False
     weight: float | None = None
+    prompt_tokens_per_second: int | None = None
 
     def __bool__(self) -> bool:
         return self != _NO_LIMITS
@@ -168,34 +171,51 @@ class Policy:
 
     # -- the runtime tables --------------------------------------------------
 
-    def limit_table(self) -> LimitTable:
-        """The users' own limits, the tiers, memberships and exemptions."""
-        tiers = self.groups["tier"]
+    def limit_table(self, rate: str = "tokens_per_second") -> LimitTable:
+        """The users' own limits, the tiers, memberships and exemptions, for
+        the rate attribute ``rate`` (the output rate, or the prompt rate): a
+        tier with neither that rate nor an exemption is not in the table, and
+        its members get the default."""
+        tiers = {
+            tier: limits
+            for tier, limits in self.groups["tier"].items()
+            if getattr(limits, rate) is not None or limits.exempt
+        }
         return LimitTable(
             {
-                user: rate
+                user: value
                 for user, entry in self.users.items()
-                if (rate := entry.limits.tokens_per_second) is not None
+                if (value := getattr(entry.limits, rate)) is not None
             },
             {
-                tier: limits.tokens_per_second
+                tier: value
                 for tier, limits in tiers.items()
-                if limits.tokens_per_second is not None
+                if (value := getattr(limits, rate)) is not None
             },
-            self.members("tier"),
+            {
+                user: tier
+                for user, tier in self.members("tier").items()
+                if tier in tiers
+            },
             [user for user, entry in self.users.items() if entry.limits.exempt],
             [tier for tier, limits in tiers.items() if limits.exempt],
         )
 
-    def team_table(self) -> TeamTable:
-        """The teams' rates and members."""
+    def team_table(self, rate: str = "tokens_per_second") -> TeamTable:
+        """The teams' rates (attribute ``rate``) and members: a team without
+        that rate is not in the table."""
+        rates = {
+            team: value
+            for team, limits in self.groups["team"].items()
+            if (value := getattr(limits, rate)) is not None
+        }
         return TeamTable(
+            rates,
             {
-                team: limits.tokens_per_second
-                for team, limits in self.groups["team"].items()
-                if limits.tokens_per_second is not None
+                user: team
+                for user, team in self.members("team").items()
+                if team in rates
             },
-            self.members("team"),
         )
 
     def share_policy(self, enabled: bool = False) -> SharePolicy:

@@ -16,15 +16,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DefaultLimit(_message.Message):
-    __slots__ = ("name", "tokens_per_second")
+    __slots__ = ("name", "tokens_per_second", "prompt_tokens_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ...) -> None: ...
+    prompt_tokens_per_second: int
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., prompt_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class Limit(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight", "team")
+    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight", "team", "prompt_tokens_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +34,7 @@ class Limit(_message.Message):
     ETAG_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TEAM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     tier: str
@@ -39,37 +42,42 @@ class Limit(_message.Message):
     etag: str
     weight: float
     team: str
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., team: _Optional[str] = ...) -> None: ...
+    prompt_tokens_per_second: int
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., team: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class Tier(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag", "weight")
+    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag", "weight", "prompt_tokens_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     EXEMPT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     exempt: bool
     member_count: int
     etag: str
     weight: float
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+    prompt_tokens_per_second: int
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., prompt_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class Team(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag")
+    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag", "prompt_tokens_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     weight: float
     member_count: int
     etag: str
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+    prompt_tokens_per_second: int
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class LimitsTable(_message.Message):
     __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams", "default")
