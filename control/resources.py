@@ -126,6 +126,8 @@ class TeamState:
     tokens_charged: int  #: net (refunds subtracted)
     throttled_steps: int  #: grants in which the team's rate bound
     fair_share_service: float  #: the members' weighted service, summed
+    #: the team's prompt rate (``pacing.prompt_budget``); 0: none
+    prompt_tokens_per_second: int
 
 
 class Etags:

@@ -346,6 +346,7 @@ def _team_state(state: TeamState) -> _pb2.TeamState:
         tokens_charged=state.tokens_charged,
         throttled_steps=state.throttled_steps,
         fair_share_service=state.fair_share_service,
+        prompt_tokens_per_second=state.prompt_tokens_per_second,
     )
 
 
@@ -400,6 +401,13 @@ def _user_state(view: UserState) -> _pb2.UserState:
         fair_share=view.fair_share.enabled,
         fair_share_backlogged=view.fair_share.backlogged,
         fair_share_lead=view.fair_share.lead,
+        prompt_limit_tokens_per_second=state.prompt_limit,
+        prompt_tat_lead=_duration(state.prompt_tat_lead_ns),
+        prompt_next_token_in=_duration(state.prompt_next_token_in_ns),
+        prompt_tokens_charged=state.prompt_tokens_charged,
+        prompt_held_skips=state.prompt_held_skips,
+        prompt_shadow_holds=state.prompt_shadow_holds,
+        prompt_wait=_duration(state.prompt_wait_ns),
     )
 
 

@@ -87,6 +87,16 @@ class UserSnapshot:
     running_requests: int
     throttled_requests: int
     recent_tokens_per_second: float
+    #: The prompt budget (``pacing.prompt_budget``): the prompt rate that
+    #: applies to the user itself (own, tier's, default's; 0: none), its TAT
+    #: lead and time to its next prompt token, and its prompt counters.
+    prompt_limit: int
+    prompt_tat_lead_ns: int
+    prompt_next_token_in_ns: int
+    prompt_tokens_charged: int
+    prompt_held_skips: int
+    prompt_shadow_holds: int
+    prompt_wait_ns: int
 
 
 @dataclass(frozen=True)
@@ -268,6 +278,7 @@ class Reading:
         # A read may take a due sample too (the engine may be idle).
         shared._recent.observe(self.now_ns, shared._net_charged)
         self._limiter = shared.limiter
+        self._prompt = shared.prompt.limiter
         self._recent = shared._recent
         self.counts: RequestCounts = shared._request_counts()
         self.explicit_rates: Mapping[str, int] = shared.limiter.user_rates
@@ -313,6 +324,7 @@ class Reading:
         now_ns = self.now_ns
         counters = self.counters.get(user) or UserCounters()
         running, throttled = self.counts.get(user, (0, 0))
+        prompt = self._prompt
         return UserSnapshot(
             user=user,
             limit=self._limiter.rate_of(user),
@@ -325,6 +337,13 @@ class Reading:
             running_requests=running,
             throttled_requests=throttled,
             recent_tokens_per_second=self.recent_rate(user),
+            prompt_limit=prompt.rate_of(user),
+            prompt_tat_lead_ns=prompt.lead_ns(user, now_ns),
+            prompt_next_token_in_ns=prompt.ready_at_ns(user, now_ns) - now_ns,
+            prompt_tokens_charged=counters.prompt_tokens_charged,
+            prompt_held_skips=counters.prompt_held_skips,
+            prompt_shadow_holds=counters.prompt_shadow_holds,
+            prompt_wait_ns=counters.prompt_wait_ns,
         )
 
 

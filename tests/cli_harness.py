@@ -44,7 +44,13 @@ def ctl(served, capsys, monkeypatch):
 
 
 def entry(
-    user: str, rate: int | None, tier=None, exempt=False, weight=None, team=None
+    user: str,
+    rate: int | None,
+    tier=None,
+    exempt=False,
+    weight=None,
+    team=None,
+    prompt_rate=None,
 ) -> dict:
     """One user's entry as ``--json`` prints it."""
     return {
@@ -53,5 +59,6 @@ def entry(
         "tier": tier,
         "exempt": exempt,
         "weight": weight,
+        "prompt_tokens_per_second": prompt_rate,
         "team": team,
     }

@@ -267,6 +267,7 @@ SCHEDULER: tuple[Internal, ...] = (
             "log_stats",
             "num_spec_tokens",
             "need_mamba_block_aligned_split",
+            "num_prefill_lookahead",
             "connector",
             "lora_config",
         )

@@ -33,7 +33,7 @@ from control.service.user_states import (
 from pacing.identity import validate_user
 from pacing.modes import Mode
 from pacing.policy.errors import PolicyError
-from pacing.policy.model import RULES
+from pacing.policy.model import ATTRIBUTES, RULES
 from pacing.settings.flags import DEFAULT_ADDRESS, TOKEN_ENV
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
@@ -92,12 +92,13 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
-def _by_rule(kind: Kind, field: str) -> Callable[[str], Any]:
+def _by_rule(message: str, field: str) -> Callable[[str], Any]:
     """An argparse type: a value of the attribute ``field``, a whole number or a
-    number as ``kind``'s message holds it, checked in the words of its rule
-    (``pacing.policy.model.RULES``: ``validate_rate``, ``validate_weight``)."""
+    number as the message named ``message`` (a kind's title, ``DefaultLimit``)
+    holds it, checked in the words of its rule (``pacing.policy.model.RULES``:
+    ``validate_rate``, ``validate_weight``)."""
     rule = RULES[field]
-    number = float if _field(kind, field).cpp_type in _REALS else int
+    number = float if _field(message, field).cpp_type in _REALS else int
 
     def parse(raw: str) -> Any:
         try:
@@ -112,10 +113,10 @@ def _by_rule(kind: Kind, field: str) -> Callable[[str], Any]:
     return parse
 
 
-def _field(kind: Kind, field: str) -> FieldDescriptor:
-    """``field`` of ``kind``'s message."""
-    message = getattr(_pb2, kind.title)
-    descriptor: FieldDescriptor = message.DESCRIPTOR.fields_by_name[field]
+def _field(message: str, field: str) -> FieldDescriptor:
+    """``field`` of the message named ``message`` (a kind's title)."""
+    fields = getattr(_pb2, message).DESCRIPTOR.fields_by_name
+    descriptor: FieldDescriptor = fields[field]
     return descriptor
 
 
@@ -133,8 +134,8 @@ def _holder_id(holder: str) -> Callable[[str], str]:
 
 
 _REALS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
-_rate = _by_rule(USERS, "tokens_per_second")
-_weight = _by_rule(USERS, "weight")
+_rate = _by_rule(USERS.title, "tokens_per_second")
+_weight = _by_rule(USERS.title, "weight")
 _user, _tier, _team = (_holder_id(kind.holder) for kind in ALL)
 
 
@@ -215,13 +216,50 @@ _HELP: Mapping[tuple[str, str, str], str | None] = {
     ("user", "tier", "clear"): "take the user out of its tier",
     ("user", "team", "update"): "make the user a member of the team",
     ("user", "team", "clear"): "take the user out of its team",
+    ("user", "prompt_tokens_per_second", "update"): (
+        "the user's own prompt rate: uncached prompt tokens computed per second"
+    ),
+    ("user", "prompt_tokens_per_second", "clear"): (
+        "remove the user's own prompt rate (its tier's or the default's applies)"
+    ),
+    ("tier", "prompt_tokens_per_second", "create"): (
+        "prompt rate (uncached prompt tokens computed per second) of members "
+        "without one of their own"
+    ),
+    ("tier", "prompt_tokens_per_second", "update"): (
+        "prompt rate (uncached prompt tokens computed per second) of members"
+    ),
+    ("tier", "prompt_tokens_per_second", "clear"): (
+        "remove the prompt rate (the default's applies to members)"
+    ),
+    ("team", "prompt_tokens_per_second", "create"): (
+        "uncached prompt tokens computed per second, shared by the members"
+    ),
+    ("team", "prompt_tokens_per_second", "update"): (
+        "uncached prompt tokens computed per second, shared by the members"
+    ),
+    ("team", "prompt_tokens_per_second", "clear"): (
+        "remove the prompt rate (members keep their own prompt rates only)"
+    ),
+    ("default", "tokens_per_second", "update"): (
+        "tokens per second of users without a limit of their own or their tier's"
+    ),
+    ("default", "prompt_tokens_per_second", "update"): (
+        "uncached prompt tokens computed per second for users without a prompt "
+        "rate of their own or their tier's"
+    ),
+    ("default", "prompt_tokens_per_second", "clear"): (
+        "remove the default prompt rate (prompts of such users are not paced)"
+    ),
 }
+#: The default's message (``update-default``'s options are its attributes).
+_DEFAULT_MESSAGE = "DefaultLimit"
 #: Option metavars other than ``N``.
 _METAVARS = {"weight": "W"}
 
 
-def _help(kind: Kind, field: str, role: str) -> str | None:
-    key = (kind.holder, field, role)
+def _help(holder: str, field: str, role: str) -> str | None:
+    key = (holder, field, role)
     if key in _HELP:
         return _HELP[key]
     if role == "clear":
@@ -276,17 +314,17 @@ def _add_create_argument(sub: argparse.ArgumentParser, kind: Kind, field: str) -
     """``field`` when creating: the rate is a positional, a flag is set by its
     option, any other value is an option's; required if the holder cannot lack
     it."""
-    help_text = _help(kind, field, "create")
+    help_text = _help(kind.holder, field, "create")
     required = field in kind.required
     if field == spelling.POSITIONAL:
         sub.add_argument(
             field,
             metavar=spelling.name(field),
-            type=_by_rule(kind, field),
+            type=_by_rule(kind.title, field),
             nargs=None if required else "?",
             help=help_text,
         )
-    elif _field(kind, field).cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+    elif _field(kind.title, field).cpp_type == FieldDescriptor.CPPTYPE_BOOL:
         sub.add_argument(
             spelling.option(field), dest=field, action="store_true", help=help_text
         )
@@ -294,7 +332,7 @@ def _add_create_argument(sub: argparse.ArgumentParser, kind: Kind, field: str) -
         sub.add_argument(
             spelling.option(field),
             dest=field,
-            type=_by_rule(kind, field),
+            type=_by_rule(kind.title, field),
             metavar=_METAVARS.get(field, "N"),
             required=required,
             help=help_text,
@@ -317,8 +355,8 @@ def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) 
     value is the group's id (``--tier TIER``)."""
     clearable = spelling.clearable(kind, field)
     group = sub.add_mutually_exclusive_group() if clearable else sub
-    help_text = _help(kind, field, "update")
-    descriptor = _field(kind, field)
+    help_text = _help(kind.holder, field, "update")
+    descriptor = _field(kind.title, field)
     if field in kind.references:
         group.add_argument(
             spelling.option(field),
@@ -339,7 +377,7 @@ def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) 
         group.add_argument(
             spelling.option(field),
             dest=field,
-            type=_by_rule(kind, field),
+            type=_by_rule(kind.title, field),
             metavar=_METAVARS.get(field, "N"),
             help=help_text,
         )
@@ -349,8 +387,32 @@ def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) 
             dest=field,
             action="store_const",
             const=descriptor.default_value,
-            help=_help(kind, field, "clear"),
+            help=_help(kind.holder, field, "clear"),
         )
+
+
+def _add_default_options(sub: argparse.ArgumentParser) -> None:
+    """The options of ``update-default``: each attribute of the default
+    (``ATTRIBUTES['default']``) and, for those it may lack
+    (``spelling.clearable_default``), the option that removes it."""
+    for field in ATTRIBUTES["default"]:
+        clearable = spelling.clearable_default(field)
+        group = sub.add_mutually_exclusive_group() if clearable else sub
+        group.add_argument(
+            spelling.option(field),
+            dest=field,
+            type=_by_rule(_DEFAULT_MESSAGE, field),
+            metavar=_METAVARS.get(field, "N"),
+            help=_help("default", field, "update"),
+        )
+        if clearable:
+            group.add_argument(
+                spelling.clear_option(field),
+                dest=field,
+                action="store_const",
+                const=_field(_DEFAULT_MESSAGE, field).default_value,
+                help=_help("default", field, "clear"),
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -512,6 +574,14 @@ def build_parser() -> argparse.ArgumentParser:
     command("get-default", commands.get_default, "show the default limit")
     command("set-default", commands.set_default, "set the default limit").add_argument(
         "rate", type=_rate, help="tokens per second"
+    )
+    nouns = [spelling.noun(field) for field in ATTRIBUTES["default"]]
+    _add_default_options(
+        command(
+            "update-default",
+            commands.update_default,
+            f"change the default's {spelling.either(nouns)} in one call",
+        )
     )
     sub = command(
         "state", commands.state, "show limiter state of one user, or of all users"

@@ -37,6 +37,7 @@ from control.cli.render import (
 )
 from control.kinds import BY_HOLDER, TEAMS, TIERS, USERS, Kind
 from control.service.ordering import MAX_PAGE_SIZE
+from pacing.policy.model import ATTRIBUTES
 from protos.outputrate.v1 import output_rate_pb2 as _pb2
 
 Command = Callable[[Client, argparse.Namespace, TextIO], int]
@@ -302,6 +303,23 @@ def set_default(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         ),
     )
     emit_default(out, args, default)
+    return EXIT_OK
+
+
+def update_default(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    """Changes the default's attributes given (a clear option gives the
+    field's zero) in one update, keeping the others."""
+    values = {
+        field: value
+        for field in ATTRIBUTES["default"]
+        if (value := getattr(args, field)) is not None
+    }
+    if not values:
+        options = spelling.either(spelling.default_update_options())
+        raise UsageError(f"update-default needs {options}")
+    request = _pb2.UpdateDefaultLimitRequest(default_limit=_pb2.DefaultLimit(**values))
+    request.update_mask.paths.extend(values)
+    emit_default(out, args, client.call("UpdateDefaultLimit", request))
     return EXIT_OK
 
 

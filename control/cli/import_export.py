@@ -63,13 +63,15 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if doc.etag is not None and not encodes(doc.etag):
         raise InvalidArgument(f"{source}: etag must be well-formed Unicode")
     etag = "" if args.force else (doc.etag or "")
-    default = _pb2.DefaultLimit(
-        **attributes_wire(doc.policy.default, ATTRIBUTES["default"])
-    )
+    given = attributes_wire(doc.policy.default, ATTRIBUTES["default"])
+    default = _pb2.DefaultLimit(**given)
     if doc.policy.default_rate is None:  # keep the current default, as read
         current = client.call("GetLimitsTable", _pb2.GetLimitsTableRequest())
         default = current.default  # with its etag
         default.tokens_per_second = current.default_tokens_per_second
+        for name, value in given.items():  # but what the file's default sets
+            if value:
+                setattr(default, name, value)
         etag = etag or ("" if args.force else current.etag)
     wire: dict[str, Any] = {
         kind.collection: [

@@ -35,6 +35,25 @@ _STATE_COLUMNS = (
     ("THROTTLED", "throttled_requests"),
     ("LATE", "engine_late_s"),
 )
+#: Added to the states' table when any state shows a prompt budget (a prompt
+#: rate, or prompt tokens charged, held or let through by shadow mode).
+_PROMPT_COLUMNS = (
+    ("PROMPT/S", "prompt_limit_tokens_per_second"),
+    ("P_NEXT_IN", "prompt_next_token_in_s"),
+    ("P_TAT_LEAD", "prompt_tat_lead_s"),
+    ("P_CHARGED", "prompt_tokens_charged"),
+    ("P_HELD", "prompt_held_skips"),
+    ("P_SHADOW", "prompt_shadow_holds"),
+    ("P_WAIT", "prompt_wait_s"),
+)
+#: The keys of ``state_dict`` whose value, where any is not zero, shows the
+#: prompt columns.
+_PROMPT_SHOWN_BY = (
+    "prompt_limit_tokens_per_second",
+    "prompt_tokens_charged",
+    "prompt_held_skips",
+    "prompt_shadow_holds",
+)
 #: Added to the states' table when the engine has a global store (``store``).
 _STORE_COLUMNS = (
     ("HELD", "store_held_tokens"),
@@ -54,7 +73,7 @@ _STORE_KEYS = ("held_tokens", "global_tat_lead_s", "global_tat_read_age_s", "hea
 #: The fields output shows first, in this order (``shown_fields``).
 _FIRST = ("tokens_per_second", "tier")
 #: Column titles other than the key's (``_title``).
-_TITLES = {"member_count": "MEMBERS"}
+_TITLES = {"member_count": "MEMBERS", "prompt_tokens_per_second": "PROMPT/S"}
 TEAM_STATE_COLUMNS = (
     ("TEAM", "team"),
     ("TOKENS/S", "tokens_per_second"),
@@ -68,6 +87,7 @@ TEAM_STATE_COLUMNS = (
     ("BOUND", "throttled_steps"),
     ("WEIGHT", "weight"),
     ("SERVICE", "fair_share_service"),
+    ("PROMPT/S", "prompt_tokens_per_second"),
 )
 
 
@@ -125,6 +145,8 @@ def team_state_dict(state: _pb2.TeamState) -> dict[str, Any]:
         "throttled_steps": state.throttled_steps,
         "weight": state.weight,
         "fair_share_service": state.fair_share_service,
+        # None: no prompt rate of its own (its members' own ones only).
+        "prompt_tokens_per_second": state.prompt_tokens_per_second or None,
     }
 
 
@@ -159,6 +181,13 @@ def state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "fair_share_lead": state.fair_share_lead
         if state.fair_share_backlogged
         else None,
+        "prompt_limit_tokens_per_second": state.prompt_limit_tokens_per_second,
+        "prompt_tat_lead_s": state.prompt_tat_lead.ToNanoseconds() / 1e9,
+        "prompt_next_token_in_s": state.prompt_next_token_in.ToNanoseconds() / 1e9,
+        "prompt_tokens_charged": state.prompt_tokens_charged,
+        "prompt_held_skips": state.prompt_held_skips,
+        "prompt_shadow_holds": state.prompt_shadow_holds,
+        "prompt_wait_s": state.prompt_wait.ToNanoseconds() / 1e9,
     }
 
 
@@ -207,19 +236,36 @@ def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> N
 def emit_default(
     out: TextIO, args: argparse.Namespace, default: _pb2.DefaultLimit
 ) -> None:
+    """The default's rate and prompt rate (``None`` in JSON, no line in text:
+    none)."""
+    prompt = default.prompt_tokens_per_second
     if args.json:
-        print_json(out, {"default_tokens_per_second": default.tokens_per_second})
+        print_json(
+            out,
+            {
+                "default_tokens_per_second": default.tokens_per_second,
+                "default_prompt_tokens_per_second": prompt or None,
+            },
+        )
     else:
         print(f"default: {default.tokens_per_second} tokens/s", file=out)
+        if prompt:
+            print(f"default prompt rate: {prompt} prompt tokens/s", file=out)
 
 
 def print_states(out: TextIO, mode: str, states: list[dict[str, Any]]) -> None:
     """States (``state_dict``) as a table under a line with the pacing mode;
-    with the fair-share columns when fair share is on, and the store's when
-    any state has a store view."""
+    with the prompt budget's columns when any state shows one, the fair-share
+    columns when fair share is on, and the store's when any state has a store
+    view."""
     fair_share = any(state["fair_share"] for state in states)
     print(f"pacing mode: {mode}{', fair share on' if fair_share else ''}", file=out)
-    columns = _STATE_COLUMNS + (_FAIR_SHARE_COLUMNS if fair_share else ())
+    prompt = any(state[key] for state in states for key in _PROMPT_SHOWN_BY)
+    columns = (
+        _STATE_COLUMNS
+        + (_PROMPT_COLUMNS if prompt else ())
+        + (_FAIR_SHARE_COLUMNS if fair_share else ())
+    )
     if any(state["store"] for state in states):
         rows = [_with_store_columns(state) for state in states]
         print_table(out, rows, columns + _STORE_COLUMNS)

@@ -1,7 +1,8 @@
 """How ``output-rate-ctl`` spells a kind's commands and fields (``control.kinds``),
 in one place for the parser (``control.cli.args``) and the commands' usage errors
 (``control.cli.commands``): ``create-tier`` and ``teams create``; ``--rate`` for
-``tokens_per_second``, else the field's own name (``--weight``, ``--tier``).
+``tokens_per_second``, ``--prompt-rate`` for ``prompt_tokens_per_second``, else
+the field's own name (``--weight``, ``--tier``).
 """
 
 from __future__ import annotations
@@ -9,14 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from control.kinds import TEAMS, USERS, Kind
+from pacing.policy.model import ATTRIBUTES
 
 #: The attribute typed as a positional after the id (``create-tier ID RATE``,
 #: as in ``set USER RATE``); every other attribute is an option.
 POSITIONAL = "tokens_per_second"
 #: Fields whose option and noun are not their own name.
-_NAMES = {"tokens_per_second": "rate"}
+_NAMES = {"tokens_per_second": "rate", "prompt_tokens_per_second": "prompt_rate"}
 #: Fields whose noun in a sentence is not their name.
-_NOUNS = {"tokens_per_second": "rate", "exempt": "exemption"}
+_NOUNS = {
+    "tokens_per_second": "rate",
+    "exempt": "exemption",
+    "prompt_tokens_per_second": "prompt rate",
+}
 
 
 def command(kind: Kind, verb: str) -> str:
@@ -31,7 +37,8 @@ def command(kind: Kind, verb: str) -> str:
 
 
 def name(field: str) -> str:
-    """``rate`` for ``tokens_per_second``, else the field (``-`` for ``_``)."""
+    """``rate`` for ``tokens_per_second``, ``prompt-rate`` for
+    ``prompt_tokens_per_second``, else the field (``-`` for ``_``)."""
     return _NAMES.get(field, field).replace("_", "-")
 
 
@@ -52,6 +59,23 @@ def clearable(kind: Kind, field: str) -> bool:
     """Whether an update may remove ``field`` (one the holder cannot lack
     cannot be)."""
     return field not in kind.required
+
+
+def clearable_default(field: str) -> bool:
+    """Whether ``update-default`` may remove the default's ``field`` (not its
+    rate: pacing stays on)."""
+    return field != POSITIONAL
+
+
+def default_update_options() -> list[str]:
+    """The options of ``update-default``, in order: each attribute's, then its
+    clear."""
+    options = []
+    for field in ATTRIBUTES["default"]:
+        options.append(option(field))
+        if clearable_default(field):
+            options.append(clear_option(field))
+    return options
 
 
 def update_options(kind: Kind) -> list[str]:

@@ -136,5 +136,6 @@ def _head(
         tokens_charged=teams.charged.get(team, 0),
         throttled_steps=teams.throttled_steps.get(team, 0),
         fair_share_service=0.0,
+        prompt_tokens_per_second=shared.prompt.teams.table.rate_of(team) or 0,
     )
     return state, members

@@ -165,9 +165,9 @@ def _states_in_holds(shared: SharedLimiter, users: Sequence[str]) -> list[UserSt
 
 
 def _users(shared: SharedLimiter) -> list[str]:
-    """The users the limiter knows: with an entry (a weight alone included),
-    live requests or counters. Holds the lock only to copy the names (C-level
-    copies); merges them off the lock."""
+    """The users the limiter knows: with an entry (a weight or a prompt rate
+    alone included), live requests or counters. Holds the lock only to copy
+    the names (C-level copies); merges them off the lock."""
     limiter = shared.limiter
     with shared.lock:
         reading = shared.read()
@@ -178,6 +178,7 @@ def _users(shared: SharedLimiter) -> list[str]:
             [*limiter.memberships],
             [*limiter.exempt_users],
             [*shared.fair_share.weights.users],
+            [*shared.policy.users],
         ]
     return list(set().union(*copies))
 
@@ -190,6 +191,7 @@ def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
         or limiter.tier_of(user) is not None
         or user in limiter.exempt_users
         or user in shared.fair_share.weights.users
+        or user in shared.policy.users
     )
 
 

@@ -52,6 +52,7 @@ from engine_ext.scheduling.users import UserBook
 from pacing.accounting import Accounting
 from pacing.budget import BudgetSource
 from pacing.prompt_budget import PromptBudgets
+from pacing.teams import TeamGrants
 
 
 class PromptGate:
@@ -283,15 +284,39 @@ class PromptStep:
 
     def _left(self, user: str) -> int:
         """``user``'s grant not yet reserved; takes it at first use (once per
-        user and step), as much as its live requests may cost."""
+        user and step), as much as its live requests may cost, with those of
+        its team's other members."""
         left = self.left.get(user)
         if left is None:
-            taken, remaining = self.budget.take_up_to(
-                user, self.needs.get(user, 0), self.now_ns
-            )
-            left = self.left[user] = self.granted[user] = taken
-            self.remaining[user] = remaining
+            budget = self.budget
+            team = budget.team_of(user) if isinstance(budget, TeamGrants) else None
+            if team is None:
+                taken, remaining = budget.take_up_to(
+                    user, self.needs.get(user, 0), self.now_ns
+                )
+                left = self.left[user] = self.granted[user] = taken
+                self.remaining[user] = remaining
+                return left
+            self._grant_team(team)
+            left = self.left[user]
         return left
+
+    def _grant_team(self, team: str) -> None:
+        """Grants every member of ``team`` with unpaid prompt at once, so that
+        the team's prompt tokens are split among them by weight (the team's
+        fair queue, ``pacing.teams``) rather than by who asks first."""
+        budget = self.budget
+        assert isinstance(budget, TeamGrants)
+        demands = {
+            member: need
+            for member, need in self.needs.items()
+            if member not in self.left and budget.team_of(member) == team
+        }
+        for member, (taken, remaining) in budget.take_team(
+            team, demands, self.now_ns
+        ).items():
+            self.left[member] = self.granted[member] = taken
+            self.remaining[member] = remaining
 
     def _cost(self, request: Request, start: int, count: int) -> int:
         """What computing ``[start, start + count)`` of ``request`` costs."""

@@ -85,4 +85,7 @@ def test_the_console_script_runs(served):
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"default_tokens_per_second": 10}
+    assert json.loads(result.stdout) == {
+        "default_tokens_per_second": 10,
+        "default_prompt_tokens_per_second": None,
+    }

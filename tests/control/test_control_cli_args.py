@@ -92,8 +92,8 @@ USAGE_ERRORS = {
     ),
     "update-tier-without-change": (
         ["update-tier", "free"],
-        "update-tier needs --rate, --no-rate, --exempt, --no-exempt, --weight or "
-        "--no-weight",
+        "update-tier needs --rate, --no-rate, --exempt, --no-exempt, --weight, "
+        "--no-weight, --prompt-rate or --no-prompt-rate",
     ),
     "zero-weight": (["set-weight", "alice", "0"], f"{WEIGHT_RANGE} 0.0"),
     "negative-weight": (["set-weight", "alice", "-2"], f"{WEIGHT_RANGE} -2.0"),

@@ -36,7 +36,10 @@ def test_set_get_list_delete_as_json(ctl, rig):
 def test_default_get_and_set(ctl, rig):
     assert ctl("get-default")[:2] == (0, "default: 10 tokens/s\n")
     status, out, _ = ctl("--json", "set-default", "30")
-    assert (status, json.loads(out)) == (0, {"default_tokens_per_second": 30})
+    assert (status, json.loads(out)) == (
+        0,
+        {"default_tokens_per_second": 30, "default_prompt_tokens_per_second": None},
+    )
     assert rig.limiter.default_rate == 30
 
 
@@ -99,9 +102,9 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
     assert (status, out.splitlines()) == (
         0,
         [
-            "TIER   TOKENS/S  EXEMPT  WEIGHT  MEMBERS",
-            "free         20      no       -        1",
-            "staff         -     yes       -        0",
+            "TIER   TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  MEMBERS",
+            "free         20      no       -         -        1",
+            "staff         -     yes       -         -        0",
         ],
     )
     status, out, _ = ctl("--json", "update-tier", "free", "--rate", "30", "--exempt")
@@ -110,6 +113,7 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
         "tokens_per_second": 30,
         "exempt": True,
         "weight": None,
+        "prompt_tokens_per_second": None,
         "member_count": 1,
     }
     assert (rig.limiter.tier_rates, rig.limiter.exempt_tiers) == (
@@ -163,9 +167,9 @@ def test_membership_exemption_and_own_limit_are_separate_fields(ctl, rig):
     out = ctl("--json", "exempt", "dora")[1]  # no entry before
     assert json.loads(out) == entry("dora", None, exempt=True)
     assert ctl("list")[1].splitlines() == [
-        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  TEAM",
-        "bob         20     -      no       -     -",
-        "dora         -     -     yes       -     -",
+        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  TEAM",
+        "bob         20     -      no       -         -     -",
+        "dora         -     -     yes       -         -     -",
     ]
 
 

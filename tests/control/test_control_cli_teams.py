@@ -14,14 +14,20 @@ def test_teams_are_created_shown_listed_updated_and_deleted(ctl, rig):
     status, out, _ = ctl("--json", "teams", "create", "acme", "60", "--weight", "2")
     assert (status, json.loads(out)) == (
         0,
-        {"team": "acme", "tokens_per_second": 60, "weight": 2.0, "member_count": 0},
+        {
+            "team": "acme",
+            "tokens_per_second": 60,
+            "weight": 2.0,
+            "prompt_tokens_per_second": None,
+            "member_count": 0,
+        },
     )
     assert rig.shared.teams.table.rate_of("acme") == 60
     ctl("teams", "create", "beta", "20")
     assert ctl("teams", "list")[1].splitlines() == [
-        "TEAM  TOKENS/S  WEIGHT  MEMBERS",
-        "acme        60     2.0        0",
-        "beta        20       -        0",
+        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  MEMBERS",
+        "acme        60     2.0         -        0",
+        "beta        20       -         -        0",
     ]
     status, out, _ = ctl("--json", "teams", "update", "acme", "--rate", "90")
     assert (status, json.loads(out)["tokens_per_second"]) == (0, 90)
@@ -61,7 +67,10 @@ def test_deleting_a_team_with_members_exits_1_failed_precondition(ctl, rig):
 def test_update_team_without_a_change_is_a_usage_error(ctl):
     status, _, err = ctl("teams", "update", "acme")
     assert status == 2
-    assert "teams update needs --rate, --weight or --no-weight" in err
+    assert (
+        "teams update needs --rate, --weight, --no-weight, --prompt-rate or "
+        "--no-prompt-rate" in err
+    )
 
 
 def test_teams_state_shows_budget_and_throttled_members(ctl, rig):

@@ -20,7 +20,12 @@ from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 
 #: One valid value of each attribute, for every kind that may set it.
-VALUES = {"tokens_per_second": 7, "exempt": True, "weight": 2.5}
+VALUES = {
+    "tokens_per_second": 7,
+    "exempt": True,
+    "weight": 2.5,
+    "prompt_tokens_per_second": 1500,
+}
 
 
 @pytest.fixture

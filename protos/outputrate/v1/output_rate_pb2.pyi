@@ -120,7 +120,7 @@ class PacingMode(_message.Message):
     def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[PacingMode.Mode, str]] = ..., etag: _Optional[str] = ..., fair_share: _Optional[bool] = ...) -> None: ...
 
 class UserState(_message.Message):
-    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late", "weight", "fair_share_service", "fair_share_preemptions", "fair_share", "fair_share_backlogged", "fair_share_lead")
+    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late", "weight", "fair_share_service", "fair_share_preemptions", "fair_share", "fair_share_backlogged", "fair_share_lead", "prompt_limit_tokens_per_second", "prompt_tat_lead", "prompt_next_token_in", "prompt_tokens_charged", "prompt_held_skips", "prompt_shadow_holds", "prompt_wait")
     class LimitSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         LIMIT_SOURCE_UNSPECIFIED: _ClassVar[UserState.LimitSource]
@@ -159,6 +159,13 @@ class UserState(_message.Message):
     FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
     FAIR_SHARE_BACKLOGGED_FIELD_NUMBER: _ClassVar[int]
     FAIR_SHARE_LEAD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LIMIT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TAT_LEAD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NEXT_TOKEN_IN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_CHARGED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_HELD_SKIPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SHADOW_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_WAIT_FIELD_NUMBER: _ClassVar[int]
     name: str
     user: str
     limit_tokens_per_second: int
@@ -183,10 +190,17 @@ class UserState(_message.Message):
     fair_share: bool
     fair_share_backlogged: bool
     fair_share_lead: float
-    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., weight: _Optional[float] = ..., fair_share_service: _Optional[float] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share: _Optional[bool] = ..., fair_share_backlogged: _Optional[bool] = ..., fair_share_lead: _Optional[float] = ...) -> None: ...
+    prompt_limit_tokens_per_second: int
+    prompt_tat_lead: _duration_pb2.Duration
+    prompt_next_token_in: _duration_pb2.Duration
+    prompt_tokens_charged: int
+    prompt_held_skips: int
+    prompt_shadow_holds: int
+    prompt_wait: _duration_pb2.Duration
+    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., weight: _Optional[float] = ..., fair_share_service: _Optional[float] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share: _Optional[bool] = ..., fair_share_backlogged: _Optional[bool] = ..., fair_share_lead: _Optional[float] = ..., prompt_limit_tokens_per_second: _Optional[int] = ..., prompt_tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_tokens_charged: _Optional[int] = ..., prompt_held_skips: _Optional[int] = ..., prompt_shadow_holds: _Optional[int] = ..., prompt_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class TeamState(_message.Message):
-    __slots__ = ("name", "team", "tokens_per_second", "weight", "budget_tokens", "tat_lead", "next_token_in", "member_count", "running_members", "throttled_members", "tokens_charged", "throttled_steps", "fair_share_service")
+    __slots__ = ("name", "team", "tokens_per_second", "weight", "budget_tokens", "tat_lead", "next_token_in", "member_count", "running_members", "throttled_members", "tokens_charged", "throttled_steps", "fair_share_service", "prompt_tokens_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TEAM_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +214,7 @@ class TeamState(_message.Message):
     TOKENS_CHARGED_FIELD_NUMBER: _ClassVar[int]
     THROTTLED_STEPS_FIELD_NUMBER: _ClassVar[int]
     FAIR_SHARE_SERVICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     team: str
     tokens_per_second: int
@@ -213,7 +228,8 @@ class TeamState(_message.Message):
     tokens_charged: int
     throttled_steps: int
     fair_share_service: float
-    def __init__(self, name: _Optional[str] = ..., team: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., member_count: _Optional[int] = ..., running_members: _Optional[int] = ..., throttled_members: _Optional[int] = ..., tokens_charged: _Optional[int] = ..., throttled_steps: _Optional[int] = ..., fair_share_service: _Optional[float] = ...) -> None: ...
+    prompt_tokens_per_second: int
+    def __init__(self, name: _Optional[str] = ..., team: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., budget_tokens: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., member_count: _Optional[int] = ..., running_members: _Optional[int] = ..., throttled_members: _Optional[int] = ..., tokens_charged: _Optional[int] = ..., throttled_steps: _Optional[int] = ..., fair_share_service: _Optional[float] = ..., prompt_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class StoreView(_message.Message):
     __slots__ = ("held_tokens", "global_tat_lead", "global_tat_read_age", "health")
