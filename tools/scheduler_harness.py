@@ -196,14 +196,19 @@ def make_request(
     request_id: str | None = None,
     prompt_token_ids: list[int] | None = None,
     cached: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> Request:
     """A request of ``user`` (None: no user id); its prompt is
     ``prompt_token_ids``, else ``prompt_len`` tokens of a fixed pattern.
     ``cached``: its blocks are hashed as the engine core hashes them, so that
-    a scheduler with ``prefix_caching`` finds its prefix in the cache."""
+    a scheduler with ``prefix_caching`` finds its prefix in the cache;
+    ``prompt_logprobs`` asks for that many logprobs per prompt token."""
     extra_args = {"output_rate_user": user} if user is not None else None
     params = SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args=extra_args,
+        prompt_logprobs=prompt_logprobs,
     )
     n = next(_ids)
     rid = request_id or f"req-{n}"

@@ -65,6 +65,7 @@ class PromptGate:
         "budgets",
         "headroom",
         "held_since",
+        "last_needs",
         "min_chunk",
         "paid",
         "prefilling",
@@ -102,6 +103,8 @@ class PromptGate:
         self.seen_limit_changes = -1
         #: request id -> when it was first held, while held.
         self.held_since: dict[str, int] = {}
+        #: ``needs()`` as ``constrained`` last found it (the step's start).
+        self.last_needs: dict[str, int] = {}
 
     @property
     def active(self) -> bool:
@@ -129,10 +132,11 @@ class PromptGate:
         if budget.limit_changes != self.seen_limit_changes:
             self.seen_limit_changes = budget.limit_changes
             self.headroom.clear()
+        needs = self.last_needs = self.needs()
         if self.held_since:
             return True
         headroom = self.headroom
-        return any(need > headroom.get(user, -1) for user, need in self.needs().items())
+        return any(need > headroom.get(user, -1) for user, need in needs.items())
 
     def needs(self) -> dict[str, int]:
         """Prompt-limited user -> the most its live requests may still cost.
@@ -272,8 +276,9 @@ class PromptStep:
         self.held: set[str] = set()  #: the requests held
         #: user -> the smallest grant that lets its first held request go on.
         self.wanted: dict[str, int] = {}
-        #: Prompt-limited user -> the most its live requests may cost.
-        self.needs = gate.needs()
+        #: Prompt-limited user -> the most its live requests may cost (found
+        #: at the step's start).
+        self.needs = gate.last_needs
         #: user -> its running requests with a partial prefill.
         self.partials: dict[str, int] = {}
         user_of = gate.book.user

@@ -569,3 +569,55 @@ def test_an_engine_with_only_held_prefills_waits_until_the_budget_comes_back(
     assert ready is not None
     # One block (16 tokens) at 100 tok/s from a TAT 1.01 s ahead.
     assert ready - driver.clock() == pytest.approx(150_000_000 - 10_000_000, abs=1e6)
+
+
+@SYNC_AND_ASYNC
+def test_fair_share_prices_computed_prompt_tokens_so_a_cached_prompt_is_light(
+    tiny_model_dir: str, async_scheduling: bool
+) -> None:
+    """Fair share's service counts the prompt tokens computed, not the prompt's
+    length: a user re-sending one long cached system prompt is served as light
+    as the uncached tails it really costs, beside a user of distinct prompts."""
+    doc = {**policy_doc({"same": 1000, "distinct": 1000}), "fair_share": True}
+    scheduler, driver = scheduler_for(tiny_model_dir, async_scheduling, doc)
+    recorder = Recorder(scheduler, driver.clock)
+    recorder.install()
+    system = prompt_of(3, 400)
+    ledger = scheduler.output_rate_shared.fair_share
+    for i in range(10):
+        pair = [
+            request_of("same", prompt_token_ids=system, max_tokens=1),
+            request_of(
+                "distinct", prompt_token_ids=prompt_of(100 + i, 400), max_tokens=1
+            ),
+        ]
+        driver.add(pair)
+        run_until_done(driver, pair, 100)
+    tail = 400 - (399 // BLOCK_SIZE) * BLOCK_SIZE
+    assert recorder.computed == {"same": 400 + 9 * tail, "distinct": 10 * 400}
+    service = {user: ledger.of(user) for user in ("same", "distinct")}
+    assert service["same"] == pytest.approx(ledger.cost(400 + 9 * tail, 10, 1.0))
+    assert service["distinct"] == pytest.approx(ledger.cost(4000, 10, 1.0))
+
+
+def test_a_request_asking_for_prompt_logprobs_pays_its_whole_prompt(
+    tiny_model_dir: str,
+) -> None:
+    """vLLM skips the prefix cache for a request asking for prompt logprobs:
+    it computes, and is charged, its whole prompt."""
+    scheduler, driver = scheduler_for(tiny_model_dir, False, policy_doc({"p": 1000}))
+    with scheduler.output_rate_shared.lock:
+        scheduler.output_rate_shared.policy = Policy(
+            default=Limits(1000),
+            users={"p": User(Limits(1000, prompt_tokens_per_second=100_000))},
+        )
+    system = prompt_of(9, 200)
+    first = request_of("p", prompt_token_ids=system, max_tokens=1)
+    driver.add([first])
+    run_until_done(driver, [first], 50)
+    with_logprobs = request_of(
+        "p", prompt_token_ids=system, max_tokens=1, prompt_logprobs=1
+    )
+    driver.add([with_logprobs])
+    run_until_done(driver, [with_logprobs], 50)
+    assert scheduler.accounting.of("p").prompt_tokens_charged == 2 * 200
