@@ -101,8 +101,8 @@ class PromptGate:
         #: user -> prompt tokens it is known to have until its next charge.
         self.headroom: dict[str, int] = {}
         self.seen_limit_changes = -1
-        #: request id -> when it was first held, while held.
-        self.held_since: dict[str, int] = {}
+        #: request id -> (its user, when it was first held), while held.
+        self.held_since: dict[str, tuple[str, int]] = {}
         #: ``needs()`` as ``constrained`` last found it (the step's start).
         self.last_needs: dict[str, int] = {}
 
@@ -119,11 +119,10 @@ class PromptGate:
         if self.prefilling.pop(request_id, None) is None:
             return
         self.paid.pop(request_id, None)
-        since = self.held_since.pop(request_id, None)
-        if since is not None:
-            self.accounting.record(
-                self.book.user(request_id), "prompt_wait_ns", clock() - since
-            )
+        held = self.held_since.pop(request_id, None)
+        if held is not None:  # the book may have forgotten the request already
+            user, since = held
+            self.accounting.record(user, "prompt_wait_ns", clock() - since)
 
     def constrained(self) -> bool:
         """Whether a prompt-limited user has unpaid prompt that its known
@@ -240,9 +239,9 @@ class PromptGate:
                 paid.pop(request_id, None)
             elif top > paid.get(request_id, 0):
                 paid[request_id] = top
-            since = held_since.pop(request_id, None)
-            if since is not None:
-                self.accounting.record(user, "prompt_wait_ns", now_ns - since)
+            held = held_since.pop(request_id, None)
+            if held is not None:
+                self.accounting.record(user, "prompt_wait_ns", now_ns - held[1])
         return costs
 
 
@@ -336,7 +335,7 @@ class PromptStep:
         if user not in self.wanted:
             self.wanted[user] = wanted
         if not self.shadow:
-            self.gate.held_since.setdefault(request.request_id, self.now_ns)
+            self.gate.held_since.setdefault(request.request_id, (user, self.now_ns))
 
     def admit(self, request: Request, prefix_hit: Callable[[Request], int]) -> bool:
         """Whether a waiting request may be scheduled in this step."""

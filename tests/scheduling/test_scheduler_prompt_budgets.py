@@ -621,3 +621,21 @@ def test_a_request_asking_for_prompt_logprobs_pays_its_whole_prompt(
     driver.add([with_logprobs])
     run_until_done(driver, [with_logprobs], 50)
     assert scheduler.accounting.of("p").prompt_tokens_charged == 2 * 200
+
+
+def test_the_wait_of_a_held_request_that_ends_is_counted_for_its_user(
+    tiny_model_dir: str,
+) -> None:
+    doc = policy_doc(
+        {"p": {"tokens_per_second": 1000, "prompt_tokens_per_second": 100}}
+    )
+    scheduler, driver = scheduler_for(tiny_model_dir, False, doc)
+    request = request_of("p", prompt_token_ids=prompt_of(4, 400), max_tokens=1)
+    driver.add([request])
+    driver.step(STEP_MS)  # 101 tokens: the bucket
+    driver.step(STEP_MS)  # held from here (1 token earned: below one block)
+    driver.clock.advance_ms(25)
+    scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    counters = scheduler.accounting.of("p")
+    assert counters.prompt_held_skips == 1
+    assert counters.prompt_wait_ns == 35_000_000
