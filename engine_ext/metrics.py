@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -100,6 +100,7 @@ IDLE_WAIT_SECONDS = "vllm:output_rate_idle_wait_seconds"
 THROTTLED_REQUESTS = "vllm:output_rate_throttled_requests"
 TRACKED_USERS = "vllm:output_rate_tracked_users"
 LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_limit_tokens_per_second"
+PROMPT_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_prompt_limit_tokens_per_second"
 LIMIT_CHANGES = "vllm:output_rate_limit_changes_total"
 CONFIG_RELOADS = "vllm:output_rate_config_reloads_total"
 CONTROL_RPCS = "vllm:output_rate_control_rpcs_total"
@@ -237,6 +238,10 @@ _DOCS = {
     TRACKED_USERS: "Users currently holding limiter state.",
     LIMIT_TOKENS_PER_SECOND: "Output-token limit in tokens per second of each "
     f"labelled user; user={DEFAULT_LIMIT_USER!r} is the default limit.",
+    PROMPT_LIMIT_TOKENS_PER_SECOND: "Prompt-token limit (uncached prompt tokens "
+    "computed per second) of each labelled user with a prompt rate of its own; "
+    f"user={DEFAULT_LIMIT_USER!r} is the default prompt rate (no sample without "
+    "one).",
     LIMIT_CHANGES: "New limits tables committed: write RPCs, and loads of the "
     "limits file that changed the table (the start-up load included).",
     CONFIG_RELOADS: "Limits config-file reloads by result (success, failure).",
@@ -377,6 +382,7 @@ class OutputRateMetrics:
         self._throttled = _gauge(THROTTLED_REQUESTS, ["model_name"])
         self._tracked = _gauge(TRACKED_USERS, ["model_name"])
         self._limits = _gauge(LIMIT_TOKENS_PER_SECOND, user)
+        self._prompt_limits = _gauge(PROMPT_LIMIT_TOKENS_PER_SECOND, user)
         self._limit_changes = Counter(
             LIMIT_CHANGES, _DOCS[LIMIT_CHANGES], ["model_name"], registry=None
         )
@@ -437,6 +443,7 @@ class OutputRateMetrics:
         self._fair_share_gap = _gauge(FAIR_SHARE_SERVICE_GAP, engine)
         self._labelled: set[str] | None = None  # None until the first payload
         self._limit_values: dict[str, int] = {}
+        self._prompt_limit_values: dict[str, int] = {}
         self._labelled_tiers: set[str] = set()
         self._tier_limit_values: dict[str, int] = {}
         self._labelled_teams: set[str] = set()
@@ -449,6 +456,7 @@ class OutputRateMetrics:
             self._throttled,
             self._tracked,
             self._limits,
+            self._prompt_limits,
             self._limit_changes,
             self._reloads,
             self._rpcs,
@@ -495,15 +503,20 @@ class OutputRateMetrics:
                     self._counters[field].labels(model, user).inc(
                         delta * COUNTER_UNITS.get(field, 1)
                     )
-        limits = dict(payload.limits)
-        if payload.default_limit is not None:
-            limits[DEFAULT_LIMIT_USER] = payload.default_limit
-        if limits != self._limit_values:
-            for user in set(self._limit_values) - set(limits):
-                self._limits.remove(model, user)
-            for user, rate in limits.items():
-                self._limits.labels(model, user).set(rate)
-            self._limit_values = limits
+        self._limit_values = _set_limits(
+            self._limits,
+            model,
+            self._limit_values,
+            payload.limits,
+            payload.default_limit,
+        )
+        self._prompt_limit_values = _set_limits(
+            self._prompt_limits,
+            model,
+            self._prompt_limit_values,
+            payload.prompt_limits,
+            payload.default_prompt_limit,
+        )
         self._throttled.labels(model).set(payload.throttled_requests)
         self._tracked.labels(model).set(payload.tracked_users)
         idle = self._idle_wait.labels(model)
@@ -704,6 +717,26 @@ class OutputRateStatLogger(AggregateStatLoggerBase):
 
     def log_engine_initialized(self) -> None:
         """Nothing to log: the metrics appear with the first payload."""
+
+
+def _set_limits(
+    gauge: Gauge,
+    model: str,
+    shown: dict[str, int],
+    limits: Mapping[str, int],
+    default: int | None,
+) -> dict[str, int]:
+    """Makes ``gauge`` show exactly ``limits`` and the default (as
+    ``DEFAULT_LIMIT_USER``), given it shows ``shown``; returns what it shows."""
+    wanted = dict(limits)
+    if default is not None:
+        wanted[DEFAULT_LIMIT_USER] = default
+    if wanted != shown:
+        for user in set(shown) - set(wanted):
+            gauge.remove(model, user)
+        for user, rate in wanted.items():
+            gauge.labels(model, user).set(rate)
+    return wanted
 
 
 def _gauge(name: str, labels: list[str]) -> Gauge:

@@ -177,6 +177,8 @@ class PayloadBuilder:
         store: StoreStats | None = None,
         fair_share: FairShare | None = None,
         teams: TeamActivity | None = None,
+        prompt_user_rates: Mapping[str, int] | None = None,
+        default_prompt_rate: int | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
@@ -185,7 +187,10 @@ class PayloadBuilder:
         limits and counter deltas, with ``store`` (read under the lock its
         recorder holds) the store's part, and with ``fair_share`` (read under
         the shared limiter's lock) its switch and service gap, and with
-        ``teams`` the teams' limits, counter deltas and members.
+        ``teams`` the teams' limits, counter deltas and members, and with
+        ``prompt_user_rates`` (the prompt table's explicit per-user rates) the
+        labelled users' prompt limits; ``default_prompt_rate`` 0 or None: no
+        default prompt rate.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
@@ -244,6 +249,16 @@ class PayloadBuilder:
             "users": users,
             "limits": {user: int(user_rates[user]) for user in self._users.names},
             "default_limit": default_rate,
+            "prompt_limits": {}
+            if not prompt_user_rates
+            else {
+                user: int(prompt_user_rates[user])
+                for user in self._users.names
+                if user in prompt_user_rates
+            },
+            "default_prompt_limit": int(default_prompt_rate)
+            if default_prompt_rate
+            else None,
             "throttled_requests": int(throttled_requests),
             "tracked_users": int(tracked_users),
             "idle_waits_s": idle_waits,

@@ -55,6 +55,11 @@ class Payload:
     #: label -> tokens/s of every labelled user (the complete labelled set).
     limits: Mapping[str, int]
     default_limit: int | None
+    #: label -> prompt tokens/s of every labelled user with a prompt rate of
+    #: its own (a subset of ``limits``' labels).
+    prompt_limits: Mapping[str, int]
+    #: The default prompt rate; ``None`` without one.
+    default_prompt_limit: int | None
     throttled_requests: int
     tracked_users: int
     idle_waits_s: tuple[float, ...]
@@ -140,6 +145,13 @@ def parse(raw: object) -> Payload:
     default_limit = raw.get("default_limit")
     if default_limit is not None:
         default_limit = _int(default_limit, "default_limit")
+    prompt_limits = _str_int_map(raw.get("prompt_limits"), "prompt_limits")
+    if not set(prompt_limits) <= set(limits):
+        unknown = sorted(set(prompt_limits) - set(limits))
+        raise PayloadError(f"prompt_limits has users {unknown} that are not labelled")
+    default_prompt_limit = raw.get("default_prompt_limit")
+    if default_prompt_limit is not None:
+        default_prompt_limit = _int(default_prompt_limit, "default_prompt_limit")
     idle = raw.get("idle_waits_s")
     if not isinstance(idle, list | tuple) or not all(
         isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in idle
@@ -190,6 +202,8 @@ def parse(raw: object) -> Payload:
         users=users,
         limits=limits,
         default_limit=default_limit,
+        prompt_limits=prompt_limits,
+        default_prompt_limit=default_prompt_limit,
         throttled_requests=_int(raw.get("throttled_requests"), "throttled_requests"),
         tracked_users=_int(raw.get("tracked_users"), "tracked_users"),
         idle_waits_s=tuple(float(x) for x in idle),

@@ -417,6 +417,12 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                             now_ns=now_ns,
                             gateway_teams=self.output_rate_shared.teams.gateway_teams,
                         ),
+                        prompt_user_rates=(
+                            self.output_rate_shared.prompt.limiter.user_rates
+                        ),
+                        default_prompt_rate=(
+                            self.output_rate_shared.prompt.limiter.default_rate
+                        ),
                     )
                 payload_builder.attach(stats, payload)
             except Exception:

@@ -30,6 +30,8 @@ operator's limits table, never ids taken from requests), at most
 ``max_labelled_users`` of them; every other user's events are reported under
 ``OTHER_USER``. The labelled set is sticky: a labelled user keeps the label while
 their explicit limit exists, new ones are admitted in name order while room is left.
+The prompt limits (``pacing.prompt_budget``) travel for the labelled users with a
+prompt rate of their own, and the default prompt rate, if any.
 Tiers are labelled the same way (every tier that exists, at most
 ``MAX_LABELLED_TIERS``; the rest under ``OTHER_TIER``); a tier's counters sum its
 members' events, each event counted in the tier its user belongs to when the
@@ -74,7 +76,7 @@ from pacing.accounting import UserCounters
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 5
+PAYLOAD_VERSION = 6
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
 #: The ``tier`` label value of every tier without a label of its own.

@@ -33,6 +33,7 @@ EXPORTED = {
     metrics.THROTTLED_REQUESTS,
     metrics.TRACKED_USERS,
     metrics.LIMIT_TOKENS_PER_SECOND,
+    metrics.PROMPT_LIMIT_TOKENS_PER_SECOND,
     metrics.LIMIT_CHANGES,
     metrics.CONFIG_RELOADS,
     metrics.CONTROL_RPCS,

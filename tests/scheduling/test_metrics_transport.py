@@ -35,11 +35,13 @@ from engine_ext.stats_payload import (
     OTHER_TIER,
     OTHER_USER,
     PAYLOAD_KEY,
+    PAYLOAD_VERSION,
 )
 from pacing.accounting import Accounting
 from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
+from pacing.policy.model import Limits, Policy, User
 from pacing.shared import ControlPlaneSnapshot
 from pacing.store_stats import StoreStats
 from pacing.teams import TeamTable
@@ -291,6 +293,206 @@ def test_engine_late_time_reaches_vllms_registry_in_seconds(
     assert sample(tier_late, tier="free") == pytest.approx(0.04)
 
 
+#: The prompt counters: accounting field -> (user, tier, team series).
+PROMPT_SERIES = {
+    "prompt_tokens_charged": (
+        metrics.PROMPT_TOKENS_CHARGED,
+        metrics.TIER_PROMPT_TOKENS_CHARGED,
+        metrics.TEAM_PROMPT_TOKENS_CHARGED,
+    ),
+    "prompt_held_skips": (
+        metrics.PROMPT_HELD_SKIPS,
+        metrics.TIER_PROMPT_HELD_SKIPS,
+        metrics.TEAM_PROMPT_HELD_SKIPS,
+    ),
+    "prompt_shadow_holds": (
+        metrics.PROMPT_SHADOW_HOLDS,
+        metrics.TIER_PROMPT_SHADOW_HOLDS,
+        metrics.TEAM_PROMPT_SHADOW_HOLDS,
+    ),
+    "prompt_wait_ns": (
+        metrics.PROMPT_WAIT_SECONDS,
+        metrics.TIER_PROMPT_WAIT_SECONDS,
+        metrics.TEAM_PROMPT_WAIT_SECONDS,
+    ),
+}
+
+
+def test_prompt_counters_reach_vllms_registry_per_user_tier_and_team(
+    vllm_config: VllmConfig,
+) -> None:
+    """The four prompt-budget counters go from the accounting to their exported
+    series (the wait in seconds): per user only for the labelled users (those
+    with an explicit limit), the rest under ``__other__``, born at zero; summed
+    per tier and per team; a user losing its label joins ``__other__``."""
+    assert {field: metrics.USER_COUNTERS[field] for field in PROMPT_SERIES} == {
+        field: names[0] for field, names in PROMPT_SERIES.items()
+    }
+    assert {field: metrics.TIER_COUNTERS[field] for field in PROMPT_SERIES} == {
+        field: names[1] for field, names in PROMPT_SERIES.items()
+    }
+    assert {field: metrics.TEAM_COUNTERS[field] for field in PROMPT_SERIES} == {
+        field: names[2] for field, names in PROMPT_SERIES.items()
+    }
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    limiter = OutputRateLimiter(
+        100, {"alice": 20}, tier_rates={"free": 20}, memberships={"bob": "free"}
+    )
+    table = TeamTable({"acme": 60}, {"alice": "acme", "bob": "acme"})
+    accounting = Accounting()
+    # alice: labelled (an explicit limit), in team acme.
+    accounting.record("alice", "prompt_tokens_charged", 1200)
+    accounting.record("alice", "prompt_held_skips", 3)
+    accounting.record("alice", "prompt_wait_ns", 1_500_000_000)
+    # bob: no explicit limit (only a tier's), in tier free and team acme.
+    accounting.record("bob", "prompt_tokens_charged", 300)
+    accounting.record("bob", "prompt_held_skips", 1)
+    accounting.record("bob", "prompt_wait_ns", 250_000_000)
+    # carol: an id taken from requests, in no tier or team.
+    accounting.record("carol", "prompt_tokens_charged", 40)
+    accounting.record("carol", "prompt_shadow_holds", 4)
+    builder = PayloadBuilder()
+
+    def step(user_rates: dict[str, int]) -> None:
+        payload = builder.build(
+            accounting=accounting,
+            user_rates=user_rates,
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=3,
+            limiter=limiter,
+            teams=TeamActivity(table, (), (), 0),
+        )
+        plugin.record(engine_step(payload), None)
+
+    def values(label: str, value: str, kind: int) -> dict[str, float | None]:
+        return {
+            field: registry.get_sample_value(
+                names[kind], {"model_name": MODEL, label: value}
+            )
+            for field, names in PROMPT_SERIES.items()
+        }
+
+    def row(charged: int, held: int, shadow: int, wait_s: float) -> dict:
+        return {
+            "prompt_tokens_charged": charged,
+            "prompt_held_skips": held,
+            "prompt_shadow_holds": shadow,
+            "prompt_wait_ns": pytest.approx(wait_s),
+        }
+
+    step({"alice": 20})
+    assert values("user", "alice", 0) == row(1200, 3, 0, 1.5)
+    assert values("user", OTHER_USER, 0) == row(340, 1, 4, 0.25)
+    assert values("tier", "free", 1) == row(300, 1, 0, 0.25)
+    assert values("tier", OTHER_TIER, 1) == row(0, 0, 0, 0)
+    assert values("team", "acme", 2) == row(1500, 4, 0, 1.75)
+    assert values("team", OTHER_TEAM, 2) == row(0, 0, 0, 0)
+    exposed = generate_latest(registry).decode()
+    for user in ("bob", "carol"):
+        assert f'user="{user}"' not in exposed  # ids never become labels
+    prompt_lines = [
+        line
+        for line in exposed.splitlines()
+        if line.startswith(metrics.PROMPT_WAIT_SECONDS)
+    ]
+    assert len(prompt_lines) == 2, prompt_lines  # alice and __other__ only
+
+    # Deltas add up; alice's explicit limit goes: her series go with it and
+    # her later prompts count under __other__ (and still in her team).
+    accounting.record("alice", "prompt_wait_ns", 500_000_000)
+    step({"alice": 20})
+    assert values("user", "alice", 0)["prompt_wait_ns"] == pytest.approx(2.0)
+    accounting.record("alice", "prompt_tokens_charged", 60)
+    accounting.record("alice", "prompt_shadow_holds", 2)
+    step({})
+    assert set(values("user", "alice", 0).values()) == {None}
+    assert values("user", OTHER_USER, 0) == row(400, 1, 6, 0.25)
+    assert values("team", "acme", 2) == row(1560, 4, 2, 2.25)
+
+
+def test_prompt_limits_are_gauges_of_the_labelled_users_and_the_default(
+    vllm_config: VllmConfig,
+) -> None:
+    """The prompt-limit gauge: a labelled user's own prompt rate (a user with
+    a prompt rate but no explicit limit is not labelled), the default prompt
+    rate as ``__default__``; a rate or default that goes takes its sample."""
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    builder = PayloadBuilder()
+
+    def step(prompt_rates: dict[str, int], default: int) -> dict[str, float | None]:
+        payload = builder.build(
+            accounting=Accounting(),
+            user_rates={"alice": 20, "bob": 30},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=0,
+            prompt_user_rates=prompt_rates,
+            default_prompt_rate=default,
+        )
+        plugin.record(engine_step(payload), None)
+        return {
+            user: registry.get_sample_value(
+                metrics.PROMPT_LIMIT_TOKENS_PER_SECOND,
+                {"model_name": MODEL, "user": user},
+            )
+            for user in ("alice", "bob", "carol", DEFAULT_LIMIT_USER)
+        }
+
+    assert step({"alice": 500, "carol": 700}, 2000) == {
+        "alice": 500,
+        "bob": None,  # labelled, but no prompt rate of its own
+        "carol": None,  # a prompt rate, but not labelled
+        DEFAULT_LIMIT_USER: 2000,
+    }
+    # The default prompt rate goes (0: none); bob gets one, alice loses hers.
+    assert step({"bob": 300}, 0) == {
+        "alice": None,
+        "bob": 300,
+        "carol": None,
+        DEFAULT_LIMIT_USER: None,
+    }
+    assert (
+        registry.get_sample_value(
+            metrics.LIMIT_TOKENS_PER_SECOND, {"model_name": MODEL, "user": "alice"}
+        )
+        == 20
+    )
+
+
+def test_the_scheduler_hands_the_prompt_limits_to_the_payload(
+    tiny_model_dir: str,
+) -> None:
+    """What ``make_stats`` builds carries the prompt table the policy in force
+    sets: the labelled users' own prompt rates and the default."""
+    scheduler = make_scheduler(
+        tiny_model_dir, user_rates={"alice": 5, "bob": 6}, scheduler_cls=_StatsScheduler
+    )
+    shared = scheduler.output_rate_shared
+    with shared.lock:
+        shared.policy = Policy(
+            default=Limits(100, prompt_tokens_per_second=4000),
+            users={
+                "alice": User(Limits(5, prompt_tokens_per_second=300)),
+                "bob": User(Limits(6)),
+                "carol": User(Limits(None, prompt_tokens_per_second=50)),
+            },
+        )
+    payload = parse(take_payload(scheduler.make_stats_with_payload()))
+    assert payload.prompt_limits == {"alice": 300}
+    assert payload.default_prompt_limit == 4000
+    with shared.lock:
+        shared.policy = Policy(
+            default=Limits(100),
+            users={"alice": User(Limits(5)), "bob": User(Limits(6))},
+        )
+    payload = parse(take_payload(scheduler.make_stats_with_payload()))
+    assert payload.prompt_limits == {}
+    assert payload.default_prompt_limit is None
+
+
 def test_fair_share_metrics_reach_vllms_registry_through_the_real_pipeline(
     vllm_config: VllmConfig,
 ) -> None:
@@ -493,8 +695,9 @@ def test_a_malformed_payload_is_dropped_and_still_removed(
         plugin.record(engine_step({"v": 999}), None)
     assert stats.kv_connector_stats is None
     assert [r.message for r in caplog.records].count(
-        "dropping malformed output-rate stats: payload version 999 is not 5: "
-        "engine core and API process run different engine_ext versions"
+        "dropping malformed output-rate stats: payload version 999 is not "
+        f"{PAYLOAD_VERSION}: engine core and API process run different "
+        "engine_ext versions"
     ) == 1
     assert b"output_rate" not in generate_latest(registry)
 

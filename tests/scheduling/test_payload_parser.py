@@ -10,7 +10,7 @@ import pytest
 
 from engine_ext.payload_builder import PayloadBuilder
 from engine_ext.payload_parser import PayloadError, parse
-from engine_ext.stats_payload import OTHER_USER
+from engine_ext.stats_payload import OTHER_USER, PAYLOAD_VERSION
 from pacing.accounting import Accounting
 from pacing.limiter import OutputRateLimiter
 from pacing.store_stats import LATENCY_BUCKETS_NS, StoreStats
@@ -25,11 +25,15 @@ def _valid() -> dict:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda p: p.update(v=1), "payload version 1 is not 5"),
+        (lambda p: p.update(v=1), f"payload version 1 is not {PAYLOAD_VERSION}"),
         (lambda p: p.update(users={"mallory": {"charged": 1}}), "'mallory'"),
         (lambda p: p.update(users={OTHER_USER: {"bogus": 1}}), "unknown counters"),
         (lambda p: p.update(users={OTHER_USER: {"charged": -1}}), "non-negative"),
         (lambda p: p.update(limits=[]), "limits must be an object"),
+        (lambda p: p.update(prompt_limits={"mallory": 5}), "not labelled"),
+        (lambda p: p.update(prompt_limits={"alice": -1}), "prompt_limits"),
+        (lambda p: p.pop("prompt_limits"), "prompt_limits must be an object"),
+        (lambda p: p.update(default_prompt_limit=-1), "default_prompt_limit"),
         (lambda p: p.update(throttled_requests=True), "throttled_requests"),
         (lambda p: p.update(idle_waits_s=[-0.1]), "idle_waits_s"),
         (lambda p: p.update(config_reloads={"maybe": 1}), "config_reloads"),
