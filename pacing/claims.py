@@ -24,6 +24,14 @@ Vocabulary:
   Consumption is measured over a sliding window of ``window_ns`` (see
   ``_Account``). A user is *wanting* (due a claim) while its balance is at most
   half its claim size.
+- *unmet demand*: what the scheduler's last take of a user asked for and did
+  not get, less what landed since. With ``covers_unmet`` (the prompt budgets'
+  balances, ``store.runtime``) a claim covers at least that much (up to the
+  burst): a prompt asks for all of its unpaid tokens at once and, below a
+  floor (a KV block), takes nothing and gives back what it was handed, so the
+  consumption that sizes claims stays at 0 while it waits; claims of 1 token
+  per pass, each for a lease, would never add up to a floor above about 100
+  tokens. The output's balances size by consumption alone.
 - *return*: tokens given back to the store: what an expired batch still held, and
   the whole balance when the user's last request on this engine ends
   (``end_user``), so a user whose streams move to another engine finds its tokens
@@ -146,6 +154,7 @@ class _Account:
         "low_water",
         "not_before_ns",
         "previous",
+        "unmet",
         "window_start_ns",
     )
 
@@ -158,6 +167,9 @@ class _Account:
         #: The tokens the scheduler last asked for at once (a step's worth: the
         #: user's streams here): the next claim goes out before fewer are held.
         self.demand = 0
+        #: What the scheduler's last take asked for and did not get, less what
+        #: landed since (claimed for with ``covers_unmet``).
+        self.unmet = 0
         self.previous: int | None = None
         self.last_take_ns = now_ns
         #: When its last claim was planned (``None``: never).
@@ -190,6 +202,7 @@ class ClaimedBalances:
         horizon_ns: int = DEFAULT_HORIZON_NS,
         window_ns: int = DEFAULT_WINDOW_NS,
         assumed_engines: int | None = None,
+        covers_unmet: bool = False,
     ) -> None:
         for name, value in (
             ("lease_ns", lease_ns),
@@ -202,6 +215,9 @@ class ClaimedBalances:
         self.lease_ns = lease_ns
         self.horizon_ns = horizon_ns
         self.window_ns = window_ns
+        #: Whether a claim covers at least the user's *unmet demand* (see the
+        #: module docstring; the prompt balances' setting).
+        self.covers_unmet = covers_unmet
         self._accounts: dict[str, _Account] = {}
         self._wanting: set[str] = set()
         self._returns: dict[str, int] = {}
@@ -357,6 +373,8 @@ class ClaimedBalances:
             if account.held > account.low_water:
                 self._wanting.discard(user)
                 continue
+            if self.covers_unmet and account.unmet > size:
+                size = min(account.unmet, burst_tokens(rate, self._rates.burst_ns))
             plan.claims[user] = Request(size, rate)
             account.in_flight = True
             account.last_claim_ns = now_ns
@@ -380,6 +398,7 @@ class ClaimedBalances:
             return
         account.in_flight = False
         account.not_before_ns = now_ns + retry_after_ns
+        account.unmet = max(0, account.unmet - granted)
         if granted:
             expires = now_ns + self.lease_ns
             account.batches.append([expires, granted])
@@ -500,6 +519,7 @@ class ClaimedBalances:
         account.held -= taken
         account.last_take_ns = now_ns
         account.demand = most
+        account.unmet = most - taken
         self._record(account, taken, now_ns)
         if account.held <= account.low_water and user not in self._wanting:
             self._wanting.add(user)

@@ -19,6 +19,11 @@ Vocabulary:
   and the store granted (granted <= claimed); *returned*: the tokens an answered
   exchange gave back. A failed exchange's claims and returns are in no count
   (the store may or may not have applied them).
+- *prompt tokens*: the prompt budgets' claims (``pacing.prompt_budget``) go
+  through the same store with claimers of their own; their round trips,
+  latency and the store's state count here with the rest, their tokens apart
+  (``prompt_tokens_*``: another unit, which would swamp the output counts;
+  not in the metrics payload yet).
 - *degraded*: the store did not answer the latest exchange (``down_since_ns``
   is when the outage began); the engine paces from what it holds, then locally.
 """
@@ -67,6 +72,10 @@ class StoreStats:
     tokens_claimed: int = 0
     tokens_granted: int = 0
     tokens_returned: int = 0
+    #: The same three for the prompt claimers' tokens.
+    prompt_tokens_claimed: int = 0
+    prompt_tokens_granted: int = 0
+    prompt_tokens_returned: int = 0
     #: When the store stopped answering (the engine's clock); ``None`` while it
     #: answers.
     down_since_ns: int | None = None
@@ -86,16 +95,23 @@ class StoreStats:
         granted: int,
         returned: int,
         live_engines: int,
+        prompt: bool = False,
     ) -> None:
         """An exchange was answered after ``latency_ns``: its claims asked for
         ``claimed`` tokens and got ``granted``, it gave ``returned`` back, and
         the store counts ``live_engines`` (the last count it gave, when this
-        exchange carried no heartbeat). Ends an outage."""
+        exchange carried no heartbeat). Ends an outage. ``prompt``: the tokens
+        are prompt tokens (``prompt_tokens_*``)."""
         self.round_trips_answered += 1
         self._observe(latency_ns)
-        self.tokens_claimed += claimed
-        self.tokens_granted += granted
-        self.tokens_returned += returned
+        if prompt:
+            self.prompt_tokens_claimed += claimed
+            self.prompt_tokens_granted += granted
+            self.prompt_tokens_returned += returned
+        else:
+            self.tokens_claimed += claimed
+            self.tokens_granted += granted
+            self.tokens_returned += returned
         self.down_since_ns = None
         self.live_engines = live_engines
 

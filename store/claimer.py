@@ -27,7 +27,16 @@ from the balances' state.
 
 With ``stats``, each round trip is recorded there for the metrics
 (``pacing.store_stats``): answered or failed, how long it took by ``clock``,
-the tokens claimed, granted and returned, and the store's state.
+the tokens claimed, granted and returned (apart, for a claimer of prompt
+tokens: ``prompt_tokens``), and the store's state.
+
+With ``active``, passes run only while it says yes (``store.runtime``'s
+prompt claimers: while some holder has a prompt rate). Otherwise the thread
+only looks again every ``IDLE_PERIOD_S``: no lock, no round trip, no
+heartbeat, so a claimer with nothing to claim costs a few wake-ups a second
+(a running idle one: a pass every ``period_s`` under the owner's lock and a
+heartbeat a second). It counts the live engines again from its first
+heartbeat once active; the other claimers kept this engine in the set.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ from store.redis_store import RedisStore, StoreError
 logger = logging.getLogger(f"vllm.{__name__}")
 
 DEFAULT_PERIOD_S = 0.01
+#: How often a claimer that is not ``active`` looks again (nothing else).
+IDLE_PERIOD_S = 0.1
 DEFAULT_HEARTBEAT_NS = NS_PER_S
 #: A heartbeat lives for three periods: a lost one does not drop the engine.
 HEARTBEAT_LIFETIMES = 3
@@ -75,8 +86,16 @@ class Claimer:
         heartbeat_ns: int = DEFAULT_HEARTBEAT_NS,
         stats: StoreStats | None = None,
         log_outages: bool = True,
+        active: Callable[[], bool] | None = None,
+        prompt_tokens: bool = False,
+        name: str = "output-rate-claimer",
     ) -> None:
         self._store = store
+        #: While this says no, a pass does nothing (see ``run_once``).
+        self._active = active
+        #: Whether its tokens are prompt tokens, counted apart in ``stats``.
+        self._prompt_tokens = prompt_tokens
+        self._name = name
         #: Whether this claimer logs the store going away and coming back
         #: (an engine's second claimer leaves that to the first).
         self._log_outages = log_outages
@@ -96,11 +115,14 @@ class Claimer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def store(self) -> RedisStore:
+        """The store (the key space) it claims from."""
+        return self._store
+
     def start(self) -> None:
         """Starts the claimer thread."""
-        self._thread = threading.Thread(
-            target=self._run, name="output-rate-claimer", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -119,7 +141,11 @@ class Claimer:
         self._poke.set()
 
     def run_once(self) -> None:
-        """One pass: plan, one round trip, hand the answers in."""
+        """One pass: plan, one round trip, hand the answers in. Nothing while
+        not ``active``: no lock, no round trip, no heartbeat (the balances have
+        nothing to claim; the other claimers keep this engine counted)."""
+        if not self.is_active():
+            return
         with self._lock:
             now_ns = self._clock()
             plan = self._balances.plan(now_ns)
@@ -177,9 +203,14 @@ class Claimer:
                     granted=sum(grant.granted for grant in answer.grants.values()),
                     returned=sum(request.tokens for request in plan.returns.values()),
                     live_engines=self._balances.live_engines,
+                    prompt=self._prompt_tokens,
                 )
         if woke and self._wake is not None:
             self._wake()
+
+    def is_active(self) -> bool:
+        """Whether passes run (``active``'s answer; always, without one)."""
+        return self._active is None or self._active()
 
     def _live_count(self, count: int, now_ns: int) -> tuple[int, bool]:
         """The live engines' count to go by and whether it is whole; see the
@@ -204,7 +235,7 @@ class Claimer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._poke.wait(self._period_s)
+            self._poke.wait(self._period_s if self.is_active() else IDLE_PERIOD_S)
             self._poke.clear()
             if self._stop.is_set():
                 return

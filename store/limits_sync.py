@@ -51,13 +51,18 @@ Applying a table takes ``SharedLimiter.lock`` only for the apply itself, through
 the limiter's own calls (``set_default_rate``, ``replace_limits``: every user
 keeps its token debt, and ``limit_changes`` counts the change) and the
 fair-share ledger's (``apply_policy``: the switch and the weights; an engine
-that cannot run fair share keeps it off), and ends the engine's idle wait. An
-equal table (a seed read back, a mode-only change) is not applied again.
-Whether the table changed (its etag moves, the version is counted and logged)
-is one comparison of the policy in force with the one read
-(``pacing.policy.model.Policy``: every attribute of every holder), the mode and
-the fair-share switch aside, so an attribute added to the policy is compared
-without being named here.
+that cannot run fair share keeps it off), then makes the policy the one in
+force (``SharedLimiter.policy``, which applies the prompt rates: users',
+tiers', teams' and the default's ``prompt_tokens_per_second``, carried under
+the document's ``attributes``, each user's and team's prompt debt kept), and
+ends the engine's idle wait. A stored table without a default output rate
+keeps the engine's (pacing off cannot be applied), never its default prompt
+rate: that is the store's. An equal table (a seed read back, a mode-only
+change) is not applied again. Whether the table changed (its etag moves, the
+version is counted and logged) is one comparison of the policy in force with
+the one read (``pacing.policy.model.Policy``: every attribute of every
+holder), the mode and the fair-share switch aside, so an attribute added to
+the policy is compared without being named here.
 """
 
 from __future__ import annotations
@@ -271,8 +276,14 @@ class LimitsSync:
         held = self._local()
         if policy.default_rate is None:
             # The limiter cannot drop its default (pacing off), as in the
-            # control plane's own whole-table replace.
-            policy = dataclasses.replace(policy, default=held.default)
+            # control plane's own whole-table replace; the default's other
+            # attributes (its prompt rate) are the store's.
+            policy = dataclasses.replace(
+                policy,
+                default=dataclasses.replace(
+                    policy.default, tokens_per_second=held.default_rate
+                ),
+            )
         changed = _table_part(policy) != _table_part(held)
         table, teams, share = (
             policy.limit_table(),

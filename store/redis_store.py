@@ -11,6 +11,10 @@ Key layout (``KeySpace``; the prefix is ``output_rate``, or
   is the user id, so users spread over a cluster's slots;
 - ``output_rate:team:{acme}``: team acme's cell (``pacing.teams``), claimed by
   each engine's second claimer (``KeySpace(cells="team")``);
+- ``output_rate:prompt:{alice}`` and ``output_rate:prompt-team:{acme}``: the
+  prompt budgets' cells (``pacing.prompt_budget``: ``cells="prompt"`` and
+  ``"prompt-team"``), at the prompts' 1 s tolerance, each claimed by a
+  claimer of its own while some holder has a prompt rate (``store.runtime``);
 - ``{output_rate}:limits``: the limits table, a hash of ``version``,
   ``stamp`` and ``document`` (``store.limits_table``); changes are published
   on the channel ``output_rate:limits``;
@@ -96,8 +100,9 @@ class KeySpace:
     starts with it, or with it as a hash tag (``{prefix}``)."""
 
     prefix: str = DEFAULT_PREFIX
-    #: What the cells are kept for: ``user`` or ``team`` (team names follow the
-    #: user-id rule, so the kinds need keys apart).
+    #: What the cells are kept for: ``user`` or ``team``, ``prompt`` or
+    #: ``prompt-team`` (team names follow the user-id rule, and a user's
+    #: prompt cell is not its output cell, so the kinds need keys apart).
     cells: str = "user"
 
     @classmethod

@@ -40,15 +40,20 @@ class IdleUsers:
     def due(self, now_ns: int) -> bool:
         """Whether users are tracked and the last cleanup is an interval old."""
         cleaned_at = self.cleaned_at_ns
-        return (
-            cleaned_at is None or now_ns - cleaned_at >= CLEANUP_INTERVAL_NS
-        ) and self.shared.limiter.tracked_users() > 0
+        return (cleaned_at is None or now_ns - cleaned_at >= CLEANUP_INTERVAL_NS) and (
+            self.shared.limiter.tracked_users() > 0
+            or self.shared.prompt.limiter.tracked_users() > 0
+        )
 
     def end_users(self, now_ns: int) -> None:
-        """Tells the budget source of the users whose last request ended."""
+        """Tells the budget sources (output and prompt) of the users whose last
+        request ended."""
         budget = self.shared.budget
+        prompt = self.shared.prompt.budget if self.shared.prompt.active else None
         for user in self.book.take_ended():
             budget.end_user(user, now_ns)
+            if prompt is not None:
+                prompt.end_user(user, now_ns)
 
     def cleanup(self, now_ns: int) -> None:
         """Forgets users with no live request whose bucket is full."""
@@ -57,6 +62,10 @@ class IdleUsers:
         shared.limiter.cleanup_idle_users(now_ns)
         shared.teams.cells.cleanup_idle_users(now_ns)
         shared.teams.forget_idle(self.book.live)
+        prompt = shared.prompt
+        prompt.limiter.cleanup_idle_users(now_ns)
+        prompt.teams.cells.cleanup_idle_users(now_ns)
+        prompt.teams.forget_idle(self.book.live)
         keep = set(self.book.live)
         keep.update(self.labelled_users())
         self.book.forget_idle(keep)

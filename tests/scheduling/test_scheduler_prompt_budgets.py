@@ -639,3 +639,20 @@ def test_the_wait_of_a_held_request_that_ends_is_counted_for_its_user(
     counters = scheduler.accounting.of("p")
     assert counters.prompt_held_skips == 1
     assert counters.prompt_wait_ns == 35_000_000
+
+
+def test_idle_users_prompt_cells_are_dropped_like_their_output_cells(
+    tiny_model_dir: str,
+) -> None:
+    doc = policy_doc(
+        {"p": {"tokens_per_second": 1000, "prompt_tokens_per_second": 100}}
+    )
+    scheduler, driver = scheduler_for(tiny_model_dir, False, doc)
+    request = request_of("p", prompt_token_ids=prompt_of(5, 150), max_tokens=1)
+    driver.add([request])
+    run_until_done(driver, [request], 200)
+    prompt = scheduler.output_rate_shared.prompt
+    assert prompt.limiter.tracked_users() == 1
+    driver.clock.advance_ms(2000)  # the bucket is full again
+    scheduler.cleanup_when_idle()
+    assert prompt.limiter.tracked_users() == 0
