@@ -27,6 +27,22 @@ from tools.fake_clock import FakeClock
 
 NS_PER_S = 1_000_000_000
 
+#: The one rule's words for a bad rate (a prompt rate's included).
+PROMPT_RATE_RULE = "must be an integer in 1..1000000 (tokens per second), got"
+#: Prompt rates on every holder, in the object form, beside a user in the
+#: number form.
+PROMPT_RATES_DOC = {
+    "default_tokens_per_second": 10,
+    "default": {"prompt_tokens_per_second": 3000},
+    "tiers": {"free": {"tokens_per_second": 5, "prompt_tokens_per_second": 200}},
+    "teams": {"acme": {"tokens_per_second": 600, "prompt_tokens_per_second": 4000}},
+    "users": {
+        "p": {"tokens_per_second": 1000, "prompt_tokens_per_second": 1500},
+        "q": 1000,
+        "m": {"tier": "free", "team": "acme"},
+    },
+}
+
 
 class Counts:
     """A settable ``request_counts`` callable."""

@@ -19,22 +19,9 @@ from pacing.policy.model import Limits
 from pacing.settings.checks import SettingsError
 from pacing.settings.flags import CONFIG_FLAG
 from protos.outputrate.v1 import output_rate_pb2 as pb
+from tests.control_harness import PROMPT_RATE_RULE as RULE
+from tests.control_harness import PROMPT_RATES_DOC as DOC
 from tests.control_harness import make_rig, serving, table
-
-RULE = "must be an integer in 1..1000000 (tokens per second), got"
-#: Prompt rates on every holder, in the object form, beside a user in the
-#: number form.
-DOC = {
-    "default_tokens_per_second": 10,
-    "default": {"prompt_tokens_per_second": 3000},
-    "tiers": {"free": {"tokens_per_second": 5, "prompt_tokens_per_second": 200}},
-    "teams": {"acme": {"tokens_per_second": 600, "prompt_tokens_per_second": 4000}},
-    "users": {
-        "p": {"tokens_per_second": 1000, "prompt_tokens_per_second": 1500},
-        "q": 1000,
-        "m": {"tier": "free", "team": "acme"},
-    },
-}
 
 
 @pytest.fixture(params=["json", "yaml"])

@@ -24,22 +24,9 @@ from pacing.settings.flags import POLICY_FLAG
 from pacing.settings.model import ADDITIONAL_CONFIG_KEY, OutputRateSettings
 from pacing.settings.policy import policy_of_flag
 from pacing.shared import SharedLimiter
+from tests.control_harness import PROMPT_RATE_RULE as RULE
+from tests.control_harness import PROMPT_RATES_DOC as DOC
 from tools.fake_clock import FakeClock
-
-RULE = "must be an integer in 1..1000000 (tokens per second), got"
-#: Prompt rates on every holder, in the object form, beside a user in the
-#: number form.
-DOC = {
-    "default_tokens_per_second": 10,
-    "default": {"prompt_tokens_per_second": 3000},
-    "tiers": {"free": {"tokens_per_second": 5, "prompt_tokens_per_second": 200}},
-    "teams": {"acme": {"tokens_per_second": 600, "prompt_tokens_per_second": 4000}},
-    "users": {
-        "p": {"tokens_per_second": 1000, "prompt_tokens_per_second": 1500},
-        "q": 1000,
-        "m": {"tier": "free", "team": "acme"},
-    },
-}
 
 
 def check(policy: Policy) -> None:
