@@ -3,9 +3,10 @@
 # package registries): the side-by-side comparison with stock vLLM
 # (benchmarks.compare_stock: scheduler step, throughput, isolation, parked CPU,
 # smoothness, limiter) and the article's measurement, with async scheduling on
-# and off, and speculative decoding with async scheduling, on the locally
-# generated tiny model. Installs the GPU wheel
-# (vllm 0.32.x) in .venv-gpu.
+# and off, speculative decoding with async scheduling, and prompt budgets'
+# flood (a second user's stream beside a flood of distinct long prompts,
+# unlimited vs held to 1,000 prompt tok/s), on the locally generated tiny
+# model. Installs the GPU wheel (vllm 0.32.x) in .venv-gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L
@@ -32,6 +33,12 @@ OUTPUT_RATE_EAGER_SERVERS=0 "$VENV/bin/python" -m pytest -q tests/e2e/test_e2e_s
 "$VENV/bin/python" -m benchmarks.compare_stock --async-scheduling --only throughput \
   --speculative draft_model --throughput-runs 5 --json "$out/compare-spec.json" \
   | tee "$out/compare-spec.txt"
+# Prompt budgets (issue 41): user s streams 4 x 450 tokens beside user p's
+# flood of distinct ~400-token prompts (max_tokens 1, 8 at a time, cancelled
+# when s is done), s alone, beside p unlimited and beside p at 1,000 prompt
+# tok/s (benchmarks.prompt_budgets part 3: one server, about a minute).
+"$VENV/bin/python" -m benchmarks.prompt_budgets --only flood --flood-cycles 3 \
+  --json "$out/prompt-flood.json" | tee "$out/prompt-flood.txt"
 # The async runs must have used the async variant of the scheduler.
 python3 -c "import json,sys; a=json.load(open('$out/article-async.json'))['scheduler']; \
 c=json.load(open('$out/compare-async.json'))['schedulers']['paced']; \

@@ -36,8 +36,15 @@ SERVER_LIMITS = {
         "user-fast": 100_000,
         "user-slow": 5,
         "capped-a": 10,
+        "p": 1000,
     },
 }
+#: Prompt rates of the shared server's users (uncached prompt tokens computed
+#: per second, ``pacing.prompt_budget``), beside their output rates above:
+#: ``p`` floods prompts in tests/e2e/test_e2e_prompt_budgets.py. The server
+#: runs with vLLM's prefix cache and chunked prefill on (its defaults) and
+#: reports ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``).
+SERVER_PROMPT_RATES = {"p": 1000}
 #: The shared server's tier and its one member, so that the tier series (and
 #: the dashboard's tier panels, checked in test_e2e_metrics.py) have data. The
 #: member is no other test's user; it makes the warm-up request, so the tier's
@@ -54,10 +61,21 @@ SERVER_TEAM_MEMBERS = {
 }
 
 
+def _user_entry(user: str, rate: int) -> int | dict[str, int]:
+    """A user's entry in the policy: its rate, or its limits object when it has
+    a prompt rate too."""
+    if user not in SERVER_PROMPT_RATES:
+        return rate
+    return {
+        "tokens_per_second": rate,
+        "prompt_tokens_per_second": SERVER_PROMPT_RATES[user],
+    }
+
+
 #: The shared server's start-up policy (``--output-rate-policy``).
 SERVER_POLICY = {
     "default_tokens_per_second": SERVER_LIMITS["default"],
-    "users": SERVER_LIMITS["users"],
+    "users": {user: _user_entry(user, r) for user, r in SERVER_LIMITS["users"].items()},
     "tiers": {tier: {"tokens_per_second": rate} for tier, rate in SERVER_TIERS.items()},
     "memberships": SERVER_TIER_MEMBERS,
     "teams": {team: {"tokens_per_second": rate} for team, rate in SERVER_TEAMS.items()},
@@ -85,6 +103,9 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
             control_address,
             "--user-output-rate-config",
             str(workdir / "limits.json"),
+            # usage.prompt_tokens_details.cached_tokens: the prefix-cache hits
+            # that prompt budgets leave uncharged (test_e2e_prompt_budgets.py).
+            "--enable-prompt-tokens-details",
         ],
     )
     server.control_address = control_address

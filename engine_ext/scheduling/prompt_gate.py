@@ -124,9 +124,10 @@ class PromptGate:
             user, since = held
             self.accounting.record(user, "prompt_wait_ns", clock() - since)
 
-    def constrained(self) -> bool:
-        """Whether a prompt-limited user has unpaid prompt that its known
-        headroom may not cover (the step must then be paced)."""
+    def constrained(self, now_ns: int) -> bool:
+        """Whether a prompt-limited user has unpaid prompt that its headroom
+        may not cover (the step must then be paced). A user's headroom is
+        what it had left after its last charge, else what its budget has now."""
         budget = self.budgets.budget
         if budget.limit_changes != self.seen_limit_changes:
             self.seen_limit_changes = budget.limit_changes
@@ -135,7 +136,17 @@ class PromptGate:
         if self.held_since:
             return True
         headroom = self.headroom
-        return any(need > headroom.get(user, -1) for user, need in needs.items())
+        for user, need in needs.items():
+            known = headroom.get(user)
+            if known is None:
+                known = headroom[user] = budget.available(user, now_ns)
+            if need > known:
+                return True
+        return False
+
+    def forget_idle(self, live: Mapping[str, int]) -> None:
+        """Drops the headroom of users without live requests."""
+        self.headroom = {u: h for u, h in self.headroom.items() if u in live}
 
     def needs(self) -> dict[str, int]:
         """Prompt-limited user -> the most its live requests may still cost.
@@ -201,8 +212,10 @@ class PromptGate:
                     count,
                 )
         if costs:
+            limited = self.last_needs  # only their headroom is ever read
             for user, remaining in budget.take_each(costs, now_ns).items():
-                headroom[user] = remaining
+                if user in limited:
+                    headroom[user] = remaining
             charged.update(costs)
         for user, count in charged.items():
             self.accounting.record(user, "prompt_tokens_charged", count)

@@ -156,7 +156,7 @@ class Steps:
             self.seen_budget = budget
             book.forget_headroom()
         prompt = self.prompt
-        prompt_paced = prompt.active and prompt.constrained()
+        prompt_paced = prompt.active and prompt.constrained(now_ns)
         if not (
             book.constrained or self.slots.yielded or self.episodes or prompt_paced
         ):
@@ -239,6 +239,7 @@ class Steps:
 
     def cleanup(self, now_ns: int, fair: bool) -> None:
         self.idle.cleanup(now_ns)
+        self.prompt.forget_idle(self.book.live)
         if fair:
             self.fair.cleanup()
 

@@ -656,3 +656,25 @@ def test_idle_users_prompt_cells_are_dropped_like_their_output_cells(
     driver.clock.advance_ms(2000)  # the bucket is full again
     scheduler.cleanup_when_idle()
     assert prompt.limiter.tracked_users() == 0
+
+
+def test_the_gate_keeps_nothing_of_users_gone(tiny_model_dir: str) -> None:
+    """Many users come and go beside one prompt-limited user: once they are
+    gone and the users are cleaned up, the gate holds nothing of them."""
+    doc = policy_doc(
+        {"p": {"tokens_per_second": 1000, "prompt_tokens_per_second": 100}}
+    )
+    scheduler, driver = scheduler_for(tiny_model_dir, False, doc)
+    requests = [
+        request_of(f"u{i}", prompt_token_ids=prompt_of(i, 20), max_tokens=1)
+        for i in range(200)
+    ]
+    requests.append(request_of("p", prompt_token_ids=prompt_of(999, 20)))
+    driver.add(requests)
+    run_until_done(driver, requests[:-1], 500)
+    driver.clock.advance_ms(2000)
+    driver.step(STEP_MS)  # a step that cleans up (due every second)
+    gate = scheduler._steps.prompt
+    assert set(gate.headroom) <= {"p"}
+    assert set(gate.prefilling) <= {requests[-1].request_id}
+    assert not gate.paid and not gate.held_since
