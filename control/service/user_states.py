@@ -178,7 +178,7 @@ def _users(shared: SharedLimiter) -> list[str]:
             [*limiter.memberships],
             [*limiter.exempt_users],
             [*shared.fair_share.weights.users],
-            [*shared.policy.users],
+            [*shared.prompt.limiter.user_rates],
         ]
     return list(set().union(*copies))
 
@@ -191,7 +191,7 @@ def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
         or limiter.tier_of(user) is not None
         or user in limiter.exempt_users
         or user in shared.fair_share.weights.users
-        or user in shared.policy.users
+        or shared.prompt.limiter.limit_source(user).kind == "user"
     )
 
 
