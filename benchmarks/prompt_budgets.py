@@ -323,7 +323,7 @@ def _counted_paced(side: CostSide, load: list[list[Arrival]], steps: int) -> flo
     paced = 0
     for _ in range(steps):
         side.arrive(load)
-        paced += gate.active and gate.constrained()
+        paced += gate.active and gate.constrained(side.scheduler.clock())
         side.run_step()
     return paced / steps
 
