@@ -162,14 +162,7 @@ class SharedLimiter:
         #: a member's weight inside its team is its fair-share weight.
         self.teams = Teams(burst_ns=limiter.burst_ns) if teams is None else teams
         self.teams.weight_of = self._member_weight
-        #: The prompt rates (``pacing.prompt_budget``): built from the policy in
-        #: force, and rebuilt whenever it is replaced (``policy``).
-        self.prompt = PromptBudgets(Policy())
-        self.prompt.teams.weight_of = self._member_weight
-        # The gateway's team of a user's live requests holds for both rates.
-        self.prompt.teams.gateway_teams = self.teams.gateway_teams
-        self._policy = Policy()
-        self.policy = replace(
+        in_force = replace(
             policy
             or policy_of(
                 default_rate=limiter.default_rate,
@@ -180,6 +173,13 @@ class SharedLimiter:
             mode=None,
             fair_share=None,
         )
+        self._policy = in_force
+        #: The prompt rates (``pacing.prompt_budget``): built from the policy in
+        #: force, and rebuilt whenever it is replaced (``policy``).
+        self.prompt = PromptBudgets(in_force)
+        self.prompt.teams.weight_of = self._member_weight
+        # The gateway's team of a user's live requests holds for both rates.
+        self.prompt.teams.gateway_teams = self.teams.gateway_teams
         self._team_budget: TeamBudget | None = None
 
     @property
