@@ -329,14 +329,7 @@ def _add_create_argument(sub: argparse.ArgumentParser, kind: Kind, field: str) -
             spelling.option(field), dest=field, action="store_true", help=help_text
         )
     else:
-        sub.add_argument(
-            spelling.option(field),
-            dest=field,
-            type=_by_rule(kind.title, field),
-            metavar=_METAVARS.get(field, "N"),
-            required=required,
-            help=help_text,
-        )
+        _add_number_option(sub, kind.title, field, help_text, required=required)
 
 
 def _add_update_options(
@@ -374,21 +367,42 @@ def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) 
             help=help_text,
         )
     else:
-        group.add_argument(
-            spelling.option(field),
-            dest=field,
-            type=_by_rule(kind.title, field),
-            metavar=_METAVARS.get(field, "N"),
-            help=help_text,
-        )
+        _add_number_option(group, kind.title, field, help_text)
     if clearable:
-        group.add_argument(
-            spelling.clear_option(field),
-            dest=field,
-            action="store_const",
-            const=descriptor.default_value,
-            help=_help(kind.holder, field, "clear"),
-        )
+        _add_clear_option(group, kind.title, kind.holder, field)
+
+
+def _add_number_option(
+    group: argparse._ActionsContainer,
+    message: str,
+    field: str,
+    help_text: str | None,
+    *,
+    required: bool = False,
+) -> None:
+    """``field``'s option, a number checked by its rule (``message``: the
+    proto message that holds it)."""
+    group.add_argument(
+        spelling.option(field),
+        dest=field,
+        type=_by_rule(message, field),
+        metavar=_METAVARS.get(field, "N"),
+        required=required,
+        help=help_text,
+    )
+
+
+def _add_clear_option(
+    group: argparse._ActionsContainer, message: str, holder: str, field: str
+) -> None:
+    """The option that removes ``field`` (sets the zero ``message`` gives it)."""
+    group.add_argument(
+        spelling.clear_option(field),
+        dest=field,
+        action="store_const",
+        const=_field(message, field).default_value,
+        help=_help(holder, field, "clear"),
+    )
 
 
 def _add_default_options(sub: argparse.ArgumentParser) -> None:
@@ -398,21 +412,10 @@ def _add_default_options(sub: argparse.ArgumentParser) -> None:
     for field in ATTRIBUTES["default"]:
         clearable = spelling.clearable_default(field)
         group = sub.add_mutually_exclusive_group() if clearable else sub
-        group.add_argument(
-            spelling.option(field),
-            dest=field,
-            type=_by_rule(_DEFAULT_MESSAGE, field),
-            metavar=_METAVARS.get(field, "N"),
-            help=_help("default", field, "update"),
-        )
+        help_text = _help("default", field, "update")
+        _add_number_option(group, _DEFAULT_MESSAGE, field, help_text)
         if clearable:
-            group.add_argument(
-                spelling.clear_option(field),
-                dest=field,
-                action="store_const",
-                const=_field(_DEFAULT_MESSAGE, field).default_value,
-                help=_help("default", field, "clear"),
-            )
+            _add_clear_option(group, _DEFAULT_MESSAGE, "default", field)
 
 
 def build_parser() -> argparse.ArgumentParser:
