@@ -59,14 +59,15 @@ class IdleUsers:
         """Forgets users with no live request whose bucket is full."""
         self.cleaned_at_ns = now_ns
         shared = self.shared
-        shared.limiter.cleanup_idle_users(now_ns)
-        shared.teams.cells.cleanup_idle_users(now_ns)
-        shared.teams.forget_idle(self.book.live)
-        prompt = shared.prompt
-        prompt.limiter.cleanup_idle_users(now_ns)
-        prompt.teams.cells.cleanup_idle_users(now_ns)
-        prompt.teams.forget_idle(self.book.live)
-        keep = set(self.book.live)
+        live = self.book.live
+        for limiter, teams in (
+            (shared.limiter, shared.teams),
+            (shared.prompt.limiter, shared.prompt.teams),
+        ):
+            limiter.cleanup_idle_users(now_ns)
+            teams.cells.cleanup_idle_users(now_ns)
+            teams.forget_idle(live)
+        keep = set(live)
         keep.update(self.labelled_users())
         self.book.forget_idle(keep)
         self.shared.accounting.forget(keep)
