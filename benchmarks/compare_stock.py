@@ -67,6 +67,7 @@ from benchmarks.table import (
     geometric_mean_ratio,
     histogram_delta,
     median_interval,
+    only_parts,
     ratio_interval,
     ratio_of_medians,
     render,
@@ -737,24 +738,15 @@ def machine(async_scheduling: bool | None) -> str:
     )
 
 
-def _parse_only(value: str) -> tuple[str, ...]:
-    parts = tuple(part.strip() for part in value.split(",") if part.strip())
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown or not parts:
-        raise argparse.ArgumentTypeError(
-            f"unknown part(s) {', '.join(unknown) or '(none given)'}; "
-            f"choose from {','.join(PARTS)}"
-        )
-    return parts
-
-
 def _ints(value: str) -> tuple[int, ...]:
     return tuple(int(part) for part in value.split(","))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", type=_parse_only, default=PARTS, help=",".join(PARTS))
+    parser.add_argument(
+        "--only", type=only_parts(PARTS), default=PARTS, help=",".join(PARTS)
+    )
     parser.add_argument("--repeats", type=int, default=5, help="scheduler timings")
     parser.add_argument("--requests", type=_ints, default=REQUESTS, help="R list")
     parser.add_argument("--users", type=_ints, default=USERS, help="U list")

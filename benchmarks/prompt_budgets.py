@@ -57,10 +57,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.compare_stock import _user, check_servers, cpu_timer, machine
-from benchmarks.table import Row, ratio_interval, ratio_of_medians, render
+from benchmarks.table import (
+    Row,
+    only_parts,
+    ratio_interval,
+    ratio_of_medians,
+    render,
+)
 from pacing.identity import USER_FIELD
 from pacing.limiter import MAX_RATE
 from pacing.prompt_budget import PROMPT_BURST_NS
@@ -68,6 +73,7 @@ from tools.fake_clock import FakeClock
 from tools.local_server import VllmServer, start_server
 from tools.measure import StreamResult, record_stream, stream_completion
 from tools.scheduler_harness import BLOCK_SIZE, Driver, make_request, make_scheduler
+from tools.server_metrics import metric_value
 from tools.tiny_model import SPECIAL_TOKENS, VOCAB_SIZE, ensure_tiny_model
 
 PARTS = ("scheduler", "throughput", "flood")
@@ -161,19 +167,6 @@ async def flood(
             done.append(await complete_ids(client, model, user, next_prompt()))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-
-
-def metric_value(base_url: str, name: str, **labels: str) -> float | None:
-    """The value of the first sample ``name`` with ``labels`` on ``/metrics``
-    (None: no such sample)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(
-                sample.labels.get(k) == v for k, v in labels.items()
-            ):
-                return sample.value
-    return None
 
 
 def settled_value(
@@ -802,20 +795,11 @@ def flood_rows(runs: dict[str, list[FloodRun]]) -> list[Row]:
 # -- the run -------------------------------------------------------------------
 
 
-def _parse_only(value: str) -> tuple[str, ...]:
-    parts = tuple(part.strip() for part in value.split(",") if part.strip())
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown or not parts:
-        raise argparse.ArgumentTypeError(
-            f"unknown part(s) {', '.join(unknown) or '(none given)'}; "
-            f"choose from {','.join(PARTS)}"
-        )
-    return parts
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", type=_parse_only, default=PARTS, help=",".join(PARTS))
+    parser.add_argument(
+        "--only", type=only_parts(PARTS), default=PARTS, help=",".join(PARTS)
+    )
     parser.add_argument("--repeats", type=int, default=5, help="part 1 repeats")
     parser.add_argument("--steps", type=int, default=COST_STEPS, help="part 1 steps")
     parser.add_argument("--users", type=int, default=COST_USERS, help="part 1 users")

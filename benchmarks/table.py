@@ -1,8 +1,10 @@
-"""Pure helpers of ``benchmarks.compare_stock``: medians of interleaved repeats,
-quantiles read off a Prometheus histogram, and the printed table."""
+"""Pure helpers of the benchmarks (``benchmarks.compare_stock`` first): medians
+of interleaved repeats, quantiles read off a Prometheus histogram, the printed
+table and the ``--only`` parts."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import statistics
@@ -125,3 +127,19 @@ def render(rows: Sequence[Row]) -> str:
         )
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def only_parts(parts: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """The ``--only`` argument type: a comma-separated choice among ``parts``."""
+
+    def parse(value: str) -> tuple[str, ...]:
+        chosen = tuple(part.strip() for part in value.split(",") if part.strip())
+        unknown = sorted(set(chosen) - set(parts))
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(
+                f"unknown part(s) {', '.join(unknown) or '(none given)'}; "
+                f"choose from {','.join(parts)}"
+            )
+        return chosen
+
+    return parse

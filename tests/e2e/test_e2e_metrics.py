@@ -23,6 +23,7 @@ from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.e2e_prometheus import PrometheusServer
 from tests.prometheus_tools import require_binary
 from tools.measure import run_streams
+from tools.server_metrics import metric_value
 
 pytestmark = pytest.mark.server
 
@@ -155,25 +156,13 @@ LIMIT_GAUGE = "vllm:output_rate_limit_tokens_per_second"
 RELOADS = "vllm:output_rate_config_reloads_total"
 
 
-def metric_value(server, name: str, **labels: str) -> float | None:
-    """The value of the first sample ``name`` with ``labels`` on ``/metrics``."""
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(
-                sample.labels.get(k) == v for k, v in labels.items()
-            ):
-                return sample.value
-    return None
-
-
 def seconds_until(
     server, name: str, holds: Callable[[float | None], bool], **labels: str
 ) -> float:
     """Polls ``/metrics`` until ``holds(value)``; returns how long it took."""
     started = time.monotonic()
     while True:
-        value = metric_value(server, name, **labels)
+        value = metric_value(server.base_url, name, **labels)
         if holds(value):
             return time.monotonic() - started
         assert time.monotonic() - started < IDLE_DEADLINE_S, (
@@ -190,7 +179,7 @@ def replace_file(path: Path, text: str) -> None:
 
 
 def test_control_plane_changes_reach_metrics_on_an_idle_server(vllm_server):
-    assert metric_value(vllm_server, "vllm:num_requests_running") == 0
+    assert metric_value(vllm_server.base_url, "vllm:num_requests_running") == 0
     config = Path(vllm_server.log_path).parent / "limits.json"
     channel = grpc.insecure_channel(vllm_server.control_address)
     stub = pb_grpc.OutputRateControlStub(channel)
@@ -203,7 +192,7 @@ def test_control_plane_changes_reach_metrics_on_an_idle_server(vllm_server):
         )
 
         good = config.read_text()
-        failures = metric_value(vllm_server, RELOADS, result="failure") or 0
+        failures = metric_value(vllm_server.base_url, RELOADS, result="failure") or 0
         replace_file(config, "{not json: an edit the server must refuse")
         failure_s = seconds_until(
             vllm_server, RELOADS, lambda v: (v or 0) > failures, result="failure"
@@ -224,4 +213,4 @@ def test_control_plane_changes_reach_metrics_on_an_idle_server(vllm_server):
         f"(the file is polled every second), a deleted limit gone after "
         f"{gone_s:.2f} s"
     )
-    assert metric_value(vllm_server, "vllm:num_requests_running") == 0
+    assert metric_value(vllm_server.base_url, "vllm:num_requests_running") == 0

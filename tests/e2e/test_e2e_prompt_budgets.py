@@ -32,13 +32,13 @@ from benchmarks.prompt_budgets import (
     Completion,
     Prompts,
     flood,
-    metric_value,
     settled_value,
 )
 from pacing.prompt_budget import PROMPT_BURST_NS
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from protos.outputrate.v1 import output_rate_pb2_grpc as pb_grpc
 from tests.conftest import SERVER_PROMPT_RATES
+from tools.server_metrics import metric_value
 
 pytestmark = pytest.mark.server
 
