@@ -46,26 +46,41 @@ def _raw(channel: grpc.Channel, method: str) -> grpc.UnaryUnaryMultiCallable:
     )
 
 
+class Held:
+    """Calls of one method without a token that send their metadata and never
+    their request; ``refill`` replaces those that ended."""
+
+    def __init__(self, channel: grpc.Channel, method: str, count: int) -> None:
+        self._gate = threading.Event()
+        self._call = channel.stream_unary(
+            method, request_serializer=bytes, response_deserializer=bytes
+        )
+        self.calls = [self._start() for _ in range(count)]
+
+    def _start(self) -> grpc.Future:
+        def never_sent() -> Iterator[bytes]:
+            self._gate.wait()
+            yield from ()
+
+        return self._call.future(never_sent(), timeout=60)
+
+    def refill(self) -> None:
+        self.calls = [self._start() if c.done() else c for c in self.calls]
+
+    def end(self) -> None:
+        self._gate.set()
+        for each in self.calls:
+            each.cancel()
+
+
 @contextlib.contextmanager
-def held(channel: grpc.Channel, method: str, count: int) -> Iterator[list[grpc.Future]]:
-    """``count`` calls of ``method`` without a token that send their metadata
-    and never their request; ended on exit."""
-    gate = threading.Event()
-
-    def never_sent() -> Iterator[bytes]:
-        gate.wait()
-        yield from ()
-
-    call = channel.stream_unary(
-        method, request_serializer=bytes, response_deserializer=bytes
-    )
-    calls = [call.future(never_sent(), timeout=60) for _ in range(count)]
+def held(channel: grpc.Channel, method: str, count: int) -> Iterator[Held]:
+    """``count`` held calls of ``method``, ended on exit."""
+    calls = Held(channel, method, count)
     try:
         yield calls
     finally:
-        gate.set()
-        for each in calls:
-            each.cancel()
+        calls.end()
 
 
 def _code(call: grpc.Future) -> grpc.StatusCode:
@@ -98,7 +113,7 @@ def test_a_huge_request_without_the_token_is_refused_unparsed(served):
 @pytest.mark.parametrize("method", METHODS)
 def test_a_call_without_the_token_is_refused_before_its_request_arrives(served, method):
     with held(served.channel, SERVICE + method, 1) as calls:
-        assert _code(calls[0]) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(calls.calls[0]) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_calls_without_the_token_cannot_hold_the_workers_or_the_call_slots(served):
@@ -111,7 +126,7 @@ def test_calls_without_the_token_cannot_hold_the_workers_or_the_call_slots(serve
             for method in METHODS
             for call in stack.enter_context(
                 held(served.channel, SERVICE + method, per_method)
-            )
+            ).calls
         ]
         got = served.stub.GetDefaultLimit(
             pb.GetDefaultLimitRequest(), metadata=WITH_TOKEN, timeout=WAIT_S
@@ -127,11 +142,13 @@ def _check(health, **kwargs) -> int:
     ).status
 
 
-def _until_refused(health) -> grpc.RpcError:
+def _until_refused(health, checks: Held) -> grpc.RpcError:
     """The first health check without a token that is refused, trying for at
-    most ``WAIT_S`` (the held checks reach the server in milliseconds)."""
+    most ``WAIT_S`` (the held checks reach the server in milliseconds). A held
+    check that arrived while a probe held a slot was refused: it is replaced."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
+        checks.refill()
         try:
             _check(health)
         except grpc.RpcError as error:
@@ -158,7 +175,7 @@ def _until_served(health) -> int:
 def test_health_checks_without_the_token_are_served_a_few_at_a_time(served):
     health = health_pb2_grpc.HealthStub(served.channel)
     with held(served.channel, HEALTH_CHECK, MAX_OPEN_CHECKS) as checks:
-        refused = _until_refused(health)
+        refused = _until_refused(health, checks)
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert refused.details() == (
             f"at most {MAX_OPEN_CHECKS} calls without credentials are served at once"
@@ -172,7 +189,7 @@ def test_health_checks_without_the_token_are_served_a_few_at_a_time(served):
             pb.GetDefaultLimitRequest(), metadata=WITH_TOKEN, timeout=WAIT_S
         )
         assert got.tokens_per_second == 10
-        for check in checks:
+        for check in checks.calls:
             check.cancel()
         # A check that went away frees its slot.
         assert _until_served(health) == health_pb2.HealthCheckResponse.SERVING
