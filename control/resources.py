@@ -93,6 +93,16 @@ class FairShareState:
 
 
 @dataclass(frozen=True)
+class CeilingState:
+    """One user's ceiling (``pacing.ceilings``), read with its limiter state."""
+
+    ceiling: int  #: the ceiling that applies (own, tier's, default's); 0: none
+    borrowed_tokens: int  #: cumulative tokens borrowed above the rate
+    #: the engine was spare for the user at its last step (false: no ceilings)
+    may_borrow: bool
+
+
+@dataclass(frozen=True)
 class UserState:
     """One user's limiter state plus where its limit comes from, read at one
     instant."""
@@ -104,6 +114,7 @@ class UserState:
     mode: Mode
     engine_late_ns: int
     fair_share: FairShareState
+    ceiling: CeilingState
     #: With a global store, the user's budget there as this engine sees it.
     store: StoreView | None = None
 

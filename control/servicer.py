@@ -408,6 +408,9 @@ def _user_state(view: UserState) -> _pb2.UserState:
         prompt_held_skips=state.prompt_held_skips,
         prompt_shadow_holds=state.prompt_shadow_holds,
         prompt_wait=_duration(state.prompt_wait_ns),
+        ceiling_tokens_per_second=view.ceiling.ceiling,
+        borrowed_tokens=view.ceiling.borrowed_tokens,
+        may_borrow=view.ceiling.may_borrow,
     )
 
 

@@ -21,7 +21,8 @@ The store's families (``vllm:output_rate_store_*``, with a global store only)
 and the fair-share gauges carry an ``engine`` label, as vLLM's own per-engine
 metrics do: with data parallelism every rank is a store client of its own and
 keeps a fair-share ledger of its own. So do the gauges of a team's members
-with live requests: each rank holds requests of its own.
+with live requests (each rank holds requests of its own) and the borrowing
+gauge (each rank lends its own spare capacity, ``pacing.ceilings``).
 
 With several API processes (``--api-server-count``) vLLM serves ``/metrics`` from
 prometheus_client's multiprocess files; the metric objects here write to those
@@ -96,11 +97,14 @@ PROMPT_TOKENS_CHARGED = "vllm:output_rate_prompt_tokens_charged_total"
 PROMPT_HELD_SKIPS = "vllm:output_rate_prompt_held_skips_total"
 PROMPT_SHADOW_HOLDS = "vllm:output_rate_prompt_shadow_holds_total"
 PROMPT_WAIT_SECONDS = "vllm:output_rate_prompt_wait_seconds_total"
+BORROWED_TOKENS = "vllm:output_rate_borrowed_tokens_total"
 IDLE_WAIT_SECONDS = "vllm:output_rate_idle_wait_seconds"
 THROTTLED_REQUESTS = "vllm:output_rate_throttled_requests"
 TRACKED_USERS = "vllm:output_rate_tracked_users"
 LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_limit_tokens_per_second"
 PROMPT_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_prompt_limit_tokens_per_second"
+CEILING_TOKENS_PER_SECOND = "vllm:output_rate_ceiling_tokens_per_second"
+BORROWING_BLOCKED = "vllm:output_rate_borrowing_blocked"
 LIMIT_CHANGES = "vllm:output_rate_limit_changes_total"
 CONFIG_RELOADS = "vllm:output_rate_config_reloads_total"
 CONTROL_RPCS = "vllm:output_rate_control_rpcs_total"
@@ -115,6 +119,7 @@ TIER_PROMPT_TOKENS_CHARGED = "vllm:output_rate_tier_prompt_tokens_charged_total"
 TIER_PROMPT_HELD_SKIPS = "vllm:output_rate_tier_prompt_held_skips_total"
 TIER_PROMPT_SHADOW_HOLDS = "vllm:output_rate_tier_prompt_shadow_holds_total"
 TIER_PROMPT_WAIT_SECONDS = "vllm:output_rate_tier_prompt_wait_seconds_total"
+TIER_BORROWED_TOKENS = "vllm:output_rate_tier_borrowed_tokens_total"
 TIER_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_tier_limit_tokens_per_second"
 STORE_ROUND_TRIPS = "vllm:output_rate_store_round_trips_total"
 STORE_ROUND_TRIP_SECONDS = "vllm:output_rate_store_round_trip_seconds"
@@ -138,6 +143,7 @@ TEAM_PROMPT_TOKENS_CHARGED = "vllm:output_rate_team_prompt_tokens_charged_total"
 TEAM_PROMPT_HELD_SKIPS = "vllm:output_rate_team_prompt_held_skips_total"
 TEAM_PROMPT_SHADOW_HOLDS = "vllm:output_rate_team_prompt_shadow_holds_total"
 TEAM_PROMPT_WAIT_SECONDS = "vllm:output_rate_team_prompt_wait_seconds_total"
+TEAM_BORROWED_TOKENS = "vllm:output_rate_team_borrowed_tokens_total"
 TEAM_FAIR_SHARE_SERVICE = "vllm:output_rate_team_fair_share_service_total"
 TEAM_FAIR_SHARE_PREEMPTIONS = "vllm:output_rate_team_fair_share_preemptions_total"
 TEAM_LIMIT_TOKENS_PER_SECOND = "vllm:output_rate_team_limit_tokens_per_second"
@@ -161,6 +167,7 @@ USER_COUNTERS = {
     "prompt_held_skips": PROMPT_HELD_SKIPS,
     "prompt_shadow_holds": PROMPT_SHADOW_HOLDS,
     "prompt_wait_ns": PROMPT_WAIT_SECONDS,
+    "borrowed_tokens": BORROWED_TOKENS,
 }
 #: Payload counter field -> exported per-tier counter name.
 TIER_COUNTERS = {
@@ -176,6 +183,7 @@ TIER_COUNTERS = {
     "prompt_held_skips": TIER_PROMPT_HELD_SKIPS,
     "prompt_shadow_holds": TIER_PROMPT_SHADOW_HOLDS,
     "prompt_wait_ns": TIER_PROMPT_WAIT_SECONDS,
+    "borrowed_tokens": TIER_BORROWED_TOKENS,
 }
 #: Payload counter field -> exported per-team counter name.
 TEAM_COUNTERS = {
@@ -191,6 +199,7 @@ TEAM_COUNTERS = {
     "prompt_held_skips": TEAM_PROMPT_HELD_SKIPS,
     "prompt_shadow_holds": TEAM_PROMPT_SHADOW_HOLDS,
     "prompt_wait_ns": TEAM_PROMPT_WAIT_SECONDS,
+    "borrowed_tokens": TEAM_BORROWED_TOKENS,
 }
 #: What one unit of a payload counter field is in its exported counter's unit
 #: (fields not listed: 1).
@@ -231,6 +240,10 @@ _DOCS = {
     "where enforce mode would have held it for lack of prompt budget.",
     PROMPT_WAIT_SECONDS: "Time requests of a user waited held for prompt "
     "budget, counted when each goes on (or ends).",
+    BORROWED_TOKENS: "Ceilings: output tokens a user took above its rate, up "
+    "to its ceiling, from the engine's spare capacity (no other holder within "
+    "its rate waited), net of refunds: a refund is taken out of later "
+    "borrowing (the counter never goes down). Included in the tokens charged.",
     IDLE_WAIT_SECONDS: "Time the engine loop blocked on its input queue because "
     "every ready request was throttled.",
     THROTTLED_REQUESTS: "Requests passed over for lack of budget in the latest "
@@ -242,6 +255,15 @@ _DOCS = {
     "computed per second) of each labelled user with a prompt rate of its own; "
     f"user={DEFAULT_LIMIT_USER!r} is the default prompt rate (no sample without "
     "one).",
+    CEILING_TOKENS_PER_SECOND: "Ceiling (output tokens per second a user may "
+    "borrow up to while the engine is spare for it) of each labelled user with "
+    "one: its own, its tier's or the default; "
+    f"user={DEFAULT_LIMIT_USER!r} is the default ceiling (no sample without "
+    "one). At or below the user's limit it borrows nothing.",
+    BORROWING_BLOCKED: "1 if, at the engine's last step start, a user within "
+    "its limit had a request waiting for capacity, so that no other user "
+    "borrowed above its limit in that step (the waiting user itself may), else "
+    "0; no sample while no holder has a ceiling or pacing is off.",
     LIMIT_CHANGES: "New limits tables committed: write RPCs, and loads of the "
     "limits file that changed the table (the start-up load included).",
     CONFIG_RELOADS: "Limits config-file reloads by result (success, failure).",
@@ -262,6 +284,8 @@ _DOCS = {
     "held) of the members of a tier.",
     TIER_PROMPT_WAIT_SECONDS: "Time the members of a tier waited held for "
     "prompt budget, summed over them.",
+    TIER_BORROWED_TOKENS: "Output tokens the members of a tier borrowed above "
+    "their limits (net of refunds).",
     TIER_LIMIT_TOKENS_PER_SECOND: "Output-token limit of each member of a tier "
     "(members without a limit of their own); no sample for an exempt tier.",
     STORE_ROUND_TRIPS: "Round trips of the engine's claimer to the global store "
@@ -305,6 +329,8 @@ _DOCS = {
     "held) of the members of a team.",
     TEAM_PROMPT_WAIT_SECONDS: "Time the members of a team waited held for "
     "prompt budget, summed over them.",
+    TEAM_BORROWED_TOKENS: "Output tokens the members of a team borrowed above "
+    "their limits (net of refunds).",
     TEAM_LIMIT_TOKENS_PER_SECOND: "Output-token limit a team's members share, in "
     "tokens per second.",
     TEAM_MEMBERS_STREAMING: "Members of a team with live requests on the engine, "
@@ -383,6 +409,7 @@ class OutputRateMetrics:
         self._tracked = _gauge(TRACKED_USERS, ["model_name"])
         self._limits = _gauge(LIMIT_TOKENS_PER_SECOND, user)
         self._prompt_limits = _gauge(PROMPT_LIMIT_TOKENS_PER_SECOND, user)
+        self._ceilings = _gauge(CEILING_TOKENS_PER_SECOND, user)
         self._limit_changes = Counter(
             LIMIT_CHANGES, _DOCS[LIMIT_CHANGES], ["model_name"], registry=None
         )
@@ -441,9 +468,13 @@ class OutputRateMetrics:
         self._store_live_engines = _gauge(STORE_LIVE_ENGINES, engine)
         self._fair_share_enabled = _gauge(FAIR_SHARE_ENABLED, engine)
         self._fair_share_gap = _gauge(FAIR_SHARE_SERVICE_GAP, engine)
+        self._borrowing_blocked = _gauge(BORROWING_BLOCKED, engine)
+        #: Engines with a borrowing-blocked sample.
+        self._borrowing_engines: set[str] = set()
         self._labelled: set[str] | None = None  # None until the first payload
         self._limit_values: dict[str, int] = {}
         self._prompt_limit_values: dict[str, int] = {}
+        self._ceiling_values: dict[str, int] = {}
         self._labelled_tiers: set[str] = set()
         self._tier_limit_values: dict[str, int] = {}
         self._labelled_teams: set[str] = set()
@@ -457,6 +488,7 @@ class OutputRateMetrics:
             self._tracked,
             self._limits,
             self._prompt_limits,
+            self._ceilings,
             self._limit_changes,
             self._reloads,
             self._rpcs,
@@ -475,6 +507,7 @@ class OutputRateMetrics:
             self._store_live_engines,
             self._fair_share_enabled,
             self._fair_share_gap,
+            self._borrowing_blocked,
         )
         if registry is not None:
             collector = _Collector(self._definitions)
@@ -517,6 +550,13 @@ class OutputRateMetrics:
             payload.prompt_limits,
             payload.default_prompt_limit,
         )
+        self._ceiling_values = _set_limits(
+            self._ceilings,
+            model,
+            self._ceiling_values,
+            payload.ceiling_limits,
+            payload.default_ceiling_limit,
+        )
         self._throttled.labels(model).set(payload.throttled_requests)
         self._tracked.labels(model).set(payload.tracked_users)
         idle = self._idle_wait.labels(model)
@@ -536,6 +576,18 @@ class OutputRateMetrics:
             self._apply_store(payload.store, str(engine))
         if payload.fair_share is not None:
             self._apply_fair_share(payload.fair_share, str(engine))
+        self._apply_borrowing(payload.borrowing_blocked, str(engine))
+
+    def _apply_borrowing(self, blocked: bool | None, engine: str) -> None:
+        """Sets the engine's borrowing gauge, or removes it (no ceilings)."""
+        model = self._model
+        if blocked is None:
+            if engine in self._borrowing_engines:
+                self._borrowing_blocked.remove(model, engine)
+                self._borrowing_engines.discard(engine)
+            return
+        self._borrowing_blocked.labels(model, engine).set(int(blocked))
+        self._borrowing_engines.add(engine)
 
     def _apply_fair_share(self, fair_share: FairSharePart, engine: str) -> None:
         """Sets the engine's fair-share gauges."""

@@ -5,13 +5,15 @@ vLLM at run time, no Prometheus).
 
 Invariant: the payload is plain data that encodes as strict UTF-8 and that
 ``engine_ext.payload_parser.parse`` accepts; its counters are deltas since the
-previous build, so the deltas of all payloads add up to the accounting's totals.
+previous build, so the deltas of all payloads add up to the accounting's totals
+(a net counter's, ``NET_COUNTER_FIELDS``, to the highest each series' net count
+reached: refunds take it back, an exported counter never goes down).
 
 Cost: one build is O(labelled users) without tiers or teams; with either it
 also reads the counters of every user the accounting holds (those with live
 requests or recent events), once for both: O(users). With teams it also looks
 up the team of each user with live requests: O(live users). The fair-share gap
-is O(users backlogged at the last step).
+is O(users backlogged at the last step). The ceilings cost O(labelled users).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     GRPC_CODES,
     MAX_LABELLED_TIERS,
+    NET_COUNTER_FIELDS,
     OTHER_METHOD,
     OTHER_TEAM,
     OTHER_TIER,
@@ -37,6 +40,7 @@ from engine_ext.stats_payload import (
     FailureLog,
 )
 from pacing.accounting import Accounting, UserCounters
+from pacing.ceilings import Ceilings
 from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
@@ -57,6 +61,8 @@ logger = logging.getLogger(f"vllm.{__name__}")
 MAX_PENDING_IDLE_WAITS = 1024
 #: Label values with a meaning of their own; a user so named is never labelled.
 _RESERVED_LABELS = frozenset({OTHER_USER, DEFAULT_LIMIT_USER})
+#: The counters that only go up (a decrease: the owner forgot and restarted).
+_MONOTONE_FIELDS = tuple(f for f in COUNTER_FIELDS if f not in NET_COUNTER_FIELDS)
 #: A user's counters as a tuple in ``COUNTER_FIELDS`` order (one C call).
 _counter_values = attrgetter(*COUNTER_FIELDS)
 _ZEROS: tuple[float, ...] = (0,) * len(COUNTER_FIELDS)
@@ -83,6 +89,46 @@ class TeamActivity:
     def team_of(self, user: str) -> str | None:
         """The team ``user`` is charged to."""
         return charged_team(self.table, self.gateway_teams, user)
+
+
+class _NetDebts:
+    """How far each series of a net counter (``NET_COUNTER_FIELDS``) was
+    exported above its net count: refunds since took that much back, and it is
+    taken out of the next rises before any is exported. So every exported
+    delta is non-negative and the exported count is the highest the net count
+    reached."""
+
+    def __init__(self) -> None:
+        #: (kind, label, counter field) -> the exported count minus the net one.
+        self._debts: dict[tuple[str, str, str], float] = {}
+
+    def settle(self, row: dict[str, float], kind: str, label: str) -> None:
+        """Turns ``row``'s signed net deltas (kind ``kind``, label ``label``)
+        into the deltas to export; drops those that are 0."""
+        debts = self._debts
+        for name in NET_COUNTER_FIELDS:
+            signed = row.get(name, 0)
+            if not signed:
+                continue
+            key = (kind, label, name)
+            owed = debts.pop(key, 0) - signed  # a rise pays debt back first
+            if owed < 0:
+                row[name] = -owed
+            else:
+                del row[name]
+                if owed:
+                    debts[key] = owed
+
+    def keep(self, kind: str, labels: Collection[str]) -> None:
+        """Forgets the debts of ``kind``'s labels not in ``labels`` (a label
+        that went: its series went with it)."""
+        if not self._debts:
+            return
+        self._debts = {
+            key: debt
+            for key, debt in self._debts.items()
+            if key[0] != kind or key[1] in labels
+        }
 
 
 class _Labels:
@@ -134,6 +180,7 @@ class PayloadBuilder:
         self._teams = _Labels(max_labelled_users)
         self._last: dict[str, UserCounters] = {}
         self._last_total = UserCounters()
+        self._debts = _NetDebts()
         #: user -> (its counters object, their values) at the previous build,
         #: for every user the accounting held; None while no tier or team exists.
         self._seen: dict[str, tuple[UserCounters, tuple[float, ...]]] | None = None
@@ -179,6 +226,7 @@ class PayloadBuilder:
         teams: TeamActivity | None = None,
         prompt_user_rates: Mapping[str, int] | None = None,
         default_prompt_rate: int | None = None,
+        ceilings: Ceilings | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
@@ -190,7 +238,9 @@ class PayloadBuilder:
         ``teams`` the teams' limits, counter deltas and members, and with
         ``prompt_user_rates`` (the prompt table's explicit per-user rates) the
         labelled users' prompt limits; ``default_prompt_rate`` 0 or None: no
-        default prompt rate.
+        default prompt rate; with ``ceilings`` (read under the shared limiter's
+        lock) the labelled users' ceilings, the default ceiling and, while any
+        holder has a ceiling and ``mode`` paces, whether borrowing was blocked.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
@@ -201,6 +251,7 @@ class PayloadBuilder:
         self._built_once = True
 
         users: dict[str, dict[str, float]] = {}
+        debts = self._debts
         labelled_sum = UserCounters()
         for user in self._users.names:
             now = accounting.of(user)
@@ -212,21 +263,31 @@ class PayloadBuilder:
                 before = UserCounters() if first else now
             delta = _delta(now, before)
             self._last[user] = now
-            labelled_sum.add(delta)
-            if row := _nonzero(delta):
+            labelled_sum.add(delta)  # net counters signed: OTHER_USER's exact
+            row = _nonzero(delta)
+            debts.settle(row, "user", user)
+            if row:
                 users[user] = row
+        debts.keep("user", (*self._users.names, OTHER_USER))
 
         total = _copy(accounting.total)
         other = _delta(total, self._last_total)
         self._last_total = total
-        other = UserCounters(
-            **{
-                name: max(0, getattr(other, name) - getattr(labelled_sum, name))
-                for name in COUNTER_FIELDS
-            }
+        other_row = _nonzero(
+            UserCounters(
+                **{
+                    name: max(0, getattr(other, name) - getattr(labelled_sum, name))
+                    for name in _MONOTONE_FIELDS
+                },
+                **{
+                    name: getattr(other, name) - getattr(labelled_sum, name)
+                    for name in NET_COUNTER_FIELDS
+                },
+            )
         )
-        if row := _nonzero(other):
-            users[OTHER_USER] = row
+        debts.settle(other_row, "user", OTHER_USER)
+        if other_row:
+            users[OTHER_USER] = other_row
 
         tiers, tier_of = self._tier_labels(limiter)
         team_rates, team_of = self._team_labels(teams)
@@ -238,6 +299,15 @@ class PayloadBuilder:
             ),
             first,
         )
+        for kind, counters, labelled, other_label, group_of in (
+            ("tier", tier_counters, self._tiers.names, OTHER_TIER, tier_of),
+            ("team", team_counters, team_rates, OTHER_TEAM, team_of),
+        ):
+            debts.keep(kind, () if group_of is None else (*labelled, other_label))
+            for label, row in list(counters.items()):
+                debts.settle(row, kind, label)
+                if not row:
+                    del counters[label]
         team_members, team_member_ns = self._member_part(teams, team_rates)
 
         # No snapshot means no control-plane news (not a reset to zero).
@@ -259,6 +329,7 @@ class PayloadBuilder:
             "default_prompt_limit": int(default_prompt_rate)
             if default_prompt_rate
             else None,
+            **_ceilings_part(ceilings, self._users.names, mode),
             "throttled_requests": int(throttled_requests),
             "tracked_users": int(tracked_users),
             "idle_waits_s": idle_waits,
@@ -433,6 +504,34 @@ class PayloadBuilder:
         return counts, member_ns
 
 
+def _ceilings_part(
+    ceilings: Ceilings | None, labelled: Collection[str], mode: Mode
+) -> dict[str, Any]:
+    """The ceilings' entries: the labelled users' ceilings (those with one:
+    their own, their tier's or the default, as resolved), the default ceiling,
+    and ``borrowing_blocked``: 1 if a holder within its rate waited at the
+    engine's last step start (``Borrowing.needy``), so that no other holder
+    borrowed in it; ``None`` while no holder has a ceiling or pacing is off."""
+    if ceilings is None:
+        return {
+            "ceiling_limits": {},
+            "default_ceiling_limit": None,
+            "borrowing_blocked": None,
+        }
+    table = ceilings.table
+    blocked: int | None = None
+    if ceilings.active and mode is not Mode.OFF:
+        borrowing = ceilings.borrowing  # None until a paced step built it
+        blocked = int(borrowing is not None and bool(borrowing.needy))
+    return {
+        "ceiling_limits": {
+            user: int(ceiling) for user in labelled if (ceiling := table.rate_of(user))
+        },
+        "default_ceiling_limit": int(table.default_rate or 0) or None,
+        "borrowing_blocked": blocked,
+    }
+
+
 def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:
     """Puts ``payload`` into ``scheduler_stats`` (a vLLM ``SchedulerStats``) for
     the trip to the API process, keeping anything a KV connector put there."""
@@ -452,7 +551,8 @@ def _column_deltas(rows: _Sums) -> dict[str, dict[str, float]]:
         columns_now = zip(*values_now, strict=True)
         columns_then = zip(*values_then, strict=True)
         # Never negative, floats too: each member's values are at least its
-        # base, and rounded sums are monotone.
+        # base, and rounded sums are monotone; but a net counter's may be
+        # (``NET_COUNTER_FIELDS``: the builder settles those).
         row = {
             name: sum(now) - sum(then)
             for name, now, then in zip(
@@ -479,11 +579,21 @@ def _copy_store(stats: StoreStats) -> StoreStats:
 
 def _delta(now: UserCounters, before: UserCounters) -> UserCounters:
     """``now - before`` per counter; a counter that went down restarted from zero
-    (its owner forgot it), so its whole current value is new."""
+    (its owner forgot it), so its whole current value is new. A net counter
+    (``NET_COUNTER_FIELDS``) may go down by itself: its delta is signed, and
+    its whole value new only if another counter says the owner restarted."""
     delta = UserCounters()
-    for name in COUNTER_FIELDS:
+    restarted = False
+    for name in _MONOTONE_FIELDS:
         current, previous = getattr(now, name), getattr(before, name)
-        setattr(delta, name, current - previous if current >= previous else current)
+        if current >= previous:
+            setattr(delta, name, current - previous)
+        else:
+            setattr(delta, name, current)
+            restarted = True
+    for name in NET_COUNTER_FIELDS:
+        current = getattr(now, name)
+        setattr(delta, name, current if restarted else current - getattr(before, name))
     return delta
 
 

@@ -8,8 +8,9 @@ offending field, on a malformed one. A counter row's label is one the same
 payload declares (a labelled user, tier or team) or the catch-all
 (``OTHER_USER``, ``OTHER_TIER``, ``OTHER_TEAM``), its counter names are
 ``COUNTER_FIELDS``, and its values are non-negative: whole numbers, finite
-numbers for ``FLOAT_COUNTER_FIELDS``. A team's throttled members (and member
-time) never exceed its streaming ones.
+numbers for ``FLOAT_COUNTER_FIELDS`` (a net counter's too: the builder never
+sends a decrease). A team's throttled members (and member time) never exceed
+its streaming ones.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ class Payload:
     prompt_limits: Mapping[str, int]
     #: The default prompt rate; ``None`` without one.
     default_prompt_limit: int | None
+    #: label -> the ceiling (tokens/s borrowed up to, ``pacing.ceilings``) of
+    #: every labelled user with one (a subset of ``limits``' labels).
+    ceiling_limits: Mapping[str, int]
+    #: The default ceiling; ``None`` without one.
+    default_ceiling_limit: int | None
+    #: Whether a holder within its rate waited at this engine's last step
+    #: start, so that no other holder borrowed; ``None`` while no holder has a
+    #: ceiling (or pacing is off).
+    borrowing_blocked: bool | None
     throttled_requests: int
     tracked_users: int
     idle_waits_s: tuple[float, ...]
@@ -152,6 +162,18 @@ def parse(raw: object) -> Payload:
     default_prompt_limit = raw.get("default_prompt_limit")
     if default_prompt_limit is not None:
         default_prompt_limit = _int(default_prompt_limit, "default_prompt_limit")
+    ceiling_limits = _str_int_map(raw.get("ceiling_limits"), "ceiling_limits")
+    if not set(ceiling_limits) <= set(limits):
+        unknown = sorted(set(ceiling_limits) - set(limits))
+        raise PayloadError(f"ceiling_limits has users {unknown} that are not labelled")
+    default_ceiling_limit = raw.get("default_ceiling_limit")
+    if default_ceiling_limit is not None:
+        default_ceiling_limit = _int(default_ceiling_limit, "default_ceiling_limit")
+    if "borrowing_blocked" not in raw:
+        raise PayloadError("borrowing_blocked must be 0, 1 or null")
+    blocked = raw["borrowing_blocked"]
+    if blocked is not None and (blocked not in (0, 1) or isinstance(blocked, bool)):
+        raise PayloadError(f"borrowing_blocked must be 0, 1 or null, got {blocked!r}")
     idle = raw.get("idle_waits_s")
     if not isinstance(idle, list | tuple) or not all(
         isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in idle
@@ -204,6 +226,9 @@ def parse(raw: object) -> Payload:
         default_limit=default_limit,
         prompt_limits=prompt_limits,
         default_prompt_limit=default_prompt_limit,
+        ceiling_limits=ceiling_limits,
+        default_ceiling_limit=default_ceiling_limit,
+        borrowing_blocked=None if blocked is None else bool(blocked),
         throttled_requests=_int(raw.get("throttled_requests"), "throttled_requests"),
         tracked_users=_int(raw.get("tracked_users"), "tracked_users"),
         idle_waits_s=tuple(float(x) for x in idle),

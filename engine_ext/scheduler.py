@@ -332,6 +332,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self._request_hooks.preempting(request)
+        self._steps.bands.preempted(request)
         if self.output_rate_shared.fair_share.enabled:
             self._steps.fair.preempted(request)
         super()._preempt_request(request, *args, **kwargs)
@@ -423,6 +424,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                         default_prompt_rate=(
                             self.output_rate_shared.prompt.limiter.default_rate
                         ),
+                        ceilings=self.output_rate_shared.ceilings,
                     )
                 payload_builder.attach(stats, payload)
             except Exception:

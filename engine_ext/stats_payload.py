@@ -31,7 +31,12 @@ operator's limits table, never ids taken from requests), at most
 ``OTHER_USER``. The labelled set is sticky: a labelled user keeps the label while
 their explicit limit exists, new ones are admitted in name order while room is left.
 The prompt limits (``pacing.prompt_budget``) travel for the labelled users with a
-prompt rate of their own, and the default prompt rate, if any.
+prompt rate of their own, and the default prompt rate, if any. The ceilings
+(``pacing.ceilings``) travel for the labelled users with one (their own, their
+tier's or the default: what each borrows up to), and the default ceiling, if
+any; with any holder's ceiling set, the payload says whether borrowing was
+blocked at the engine's last step (a holder within its rate waited, so no
+other holder borrowed), a gauge of the engine that sent it.
 Tiers are labelled the same way (every tier that exists, at most
 ``MAX_LABELLED_TIERS``; the rest under ``OTHER_TIER``); a tier's counters sum its
 members' events, each event counted in the tier its user belongs to when the
@@ -51,6 +56,13 @@ bucket's mean lies within it, so the API process can replay the bucket exactly),
 tokens claimed, granted and returned as deltas, and the degraded flag and live
 engines as gauges. Without a store the entry is ``None`` and no store series
 exist.
+
+Net counters (``NET_COUNTER_FIELDS``): a counter that refunds take back
+(``borrowed_tokens``, net of refunds) may go down between payloads, but an
+exported counter never does. Its delta is what its series' net count rose
+above the highest it reached before (0 while below): the exported count is
+the highest the net count reached, never less than it, above it only by
+tokens refunded and not yet borrowed again.
 
 Fair share: with the ledger passed (``pacing.fair_share``), the payload carries
 whether fair share is on and the service gap among the users backlogged at the
@@ -76,7 +88,7 @@ from pacing.accounting import UserCounters
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 6
+PAYLOAD_VERSION = 7
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
 #: The ``tier`` label value of every tier without a label of its own.
@@ -120,6 +132,10 @@ STORE_RESULTS = ("ok", "error")
 STORE_TOKENS = ("claimed", "granted", "returned")
 #: The per-user counters carried, in ``UserCounters`` field names.
 COUNTER_FIELDS = tuple(f.name for f in fields(UserCounters))
+#: The counters that may go down (refunds take them back); carried as
+#: non-negative deltas all the same (see "Net counters" above).
+NET_COUNTER_FIELDS = frozenset({"borrowed_tokens"})
+assert set(COUNTER_FIELDS) >= NET_COUNTER_FIELDS, "a net counter is not carried"
 #: The counters carried as floats (any other is a whole number).
 FLOAT_COUNTER_FIELDS = frozenset(
     f.name for f in fields(UserCounters) if isinstance(f.default, float)

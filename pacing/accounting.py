@@ -35,6 +35,9 @@ class UserCounters:
     prompt_shadow_holds: int = 0
     #: ns requests waited held for prompt budget, counted when each goes on
     prompt_wait_ns: int = 0
+    #: output tokens taken above the user's rate, up to its ceiling, from
+    #: capacity nobody else waited for (``pacing.ceilings``)
+    borrowed_tokens: int = 0
 
     def add(self, other: UserCounters) -> None:
         for f in fields(self):

@@ -42,6 +42,7 @@ from typing import TypeVar
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.budget import BudgetSource
+from pacing.ceilings import Ceilings
 from pacing.fair_share import FairShare
 from pacing.fair_share_policy import policy_of as share_policy_of
 from pacing.limiter import OutputRateLimiter
@@ -180,6 +181,11 @@ class SharedLimiter:
         self.prompt.teams.weight_of = self._member_weight
         # The gateway's team of a user's live requests holds for both rates.
         self.prompt.teams.gateway_teams = self.teams.gateway_teams
+        #: The ceilings (``pacing.ceilings``): built from the policy in force,
+        #: and rebuilt whenever it is replaced (``policy``).
+        self.ceilings = Ceilings(in_force)
+        #: The priority bands (``pacing.bands``) of the policy in force.
+        self.bands = in_force.band_table()
         self._team_budget: TeamBudget | None = None
 
     @property
@@ -194,14 +200,23 @@ class SharedLimiter:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self._policy = policy
-        self.prompt.apply(policy, self.clock())
+        now_ns = self.clock()
+        self.prompt.apply(policy, now_ns)
+        self.ceilings.apply(policy, now_ns)
+        self.bands = policy.band_table()
 
     @property
     def budget(self) -> BudgetSource:
         """What the scheduler spends tokens from (``pacing.budget``): the limiter
-        itself, unless a global store's claimed balances stand in; wrapped in
-        the teams' budget (``pacing.teams``) while any team exists."""
+        itself, unless a global store's claimed balances stand in; under the
+        borrowing budget (``pacing.ceilings``) while any holder has a ceiling;
+        wrapped in the teams' budget (``pacing.teams``) while any team exists."""
         base = self.limiter if self._budget is None else self._budget
+        if self.ceilings.active:
+            limiter = self.limiter
+            base = self.ceilings.over(
+                base, limiter.rate_of, self.accounting, limiter.burst_ns
+            )
         if not self.teams.table:
             return base
         team_budget = self._team_budget

@@ -53,16 +53,17 @@ keeps its token debt, and ``limit_changes`` counts the change) and the
 fair-share ledger's (``apply_policy``: the switch and the weights; an engine
 that cannot run fair share keeps it off), then makes the policy the one in
 force (``SharedLimiter.policy``, which applies the prompt rates: users',
-tiers', teams' and the default's ``prompt_tokens_per_second``, carried under
-the document's ``attributes``, each user's and team's prompt debt kept), and
-ends the engine's idle wait. A stored table without a default output rate
-keeps the engine's (pacing off cannot be applied), never its default prompt
-rate: that is the store's. An equal table (a seed read back, a mode-only
-change) is not applied again. Whether the table changed (its etag moves, the
-version is counted and logged) is one comparison of the policy in force with
-the one read (``pacing.policy.model.Policy``: every attribute of every
-holder), the mode and the fair-share switch aside, so an attribute added to
-the policy is compared without being named here.
+tiers', teams' and the default's ``prompt_tokens_per_second``, each user's
+and team's prompt debt kept, and the ceilings: users', tiers' and the
+default's ``ceiling_tokens_per_second``, both carried under the document's
+``attributes``), and ends the engine's idle wait. A stored table without a
+default output rate keeps the engine's (pacing off cannot be applied), never
+its default prompt rate or ceiling: those are the store's. An equal table (a
+seed read back, a mode-only change) is not applied again. Whether the table
+changed (its etag moves, the version is counted and logged) is one comparison
+of the policy in force with the one read (``pacing.policy.model.Policy``:
+every attribute of every holder), the mode and the fair-share switch aside, so
+an attribute added to the policy is compared without being named here.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class LimitsSync:
         if policy.default_rate is None:
             # The limiter cannot drop its default (pacing off), as in the
             # control plane's own whole-table replace; the default's other
-            # attributes (its prompt rate) are the store's.
+            # attributes (its prompt rate, its ceiling) are the store's.
             policy = dataclasses.replace(
                 policy,
                 default=dataclasses.replace(

@@ -51,6 +51,7 @@ def entry(
     weight=None,
     team=None,
     prompt_rate=None,
+    ceiling=None,
 ) -> dict:
     """One user's entry as ``--json`` prints it."""
     return {
@@ -60,5 +61,6 @@ def entry(
         "exempt": exempt,
         "weight": weight,
         "prompt_tokens_per_second": prompt_rate,
+        "ceiling_tokens_per_second": ceiling,
         "team": team,
     }

@@ -241,6 +241,24 @@ _HELP: Mapping[tuple[str, str, str], str | None] = {
     ("team", "prompt_tokens_per_second", "clear"): (
         "remove the prompt rate (members keep their own prompt rates only)"
     ),
+    ("user", "ceiling_tokens_per_second", "update"): (
+        "the user's own ceiling: output tokens per second it may borrow up to "
+        "while nobody else within its rate waits (at least its own rate)"
+    ),
+    ("user", "ceiling_tokens_per_second", "clear"): (
+        "remove the user's own ceiling (its tier's or the default's applies)"
+    ),
+    ("tier", "ceiling_tokens_per_second", "create"): (
+        "ceiling (output tokens per second borrowed up to while nobody else "
+        "waits; at least the rate) of members without one of their own"
+    ),
+    ("tier", "ceiling_tokens_per_second", "update"): (
+        "ceiling (output tokens per second borrowed up to while nobody else "
+        "waits; at least the rate) of members"
+    ),
+    ("tier", "ceiling_tokens_per_second", "clear"): (
+        "remove the ceiling (the default's applies to members)"
+    ),
     ("default", "tokens_per_second", "update"): (
         "tokens per second of users without a limit of their own or their tier's"
     ),
@@ -250,6 +268,13 @@ _HELP: Mapping[tuple[str, str, str], str | None] = {
     ),
     ("default", "prompt_tokens_per_second", "clear"): (
         "remove the default prompt rate (prompts of such users are not paced)"
+    ),
+    ("default", "ceiling_tokens_per_second", "update"): (
+        "output tokens per second users without a ceiling of their own or their "
+        "tier's may borrow up to while nobody else waits (at least the rate)"
+    ),
+    ("default", "ceiling_tokens_per_second", "clear"): (
+        "remove the default ceiling (such users are held to their rate)"
     ),
 }
 #: The default's message (``update-default``'s options are its attributes).

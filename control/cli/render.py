@@ -35,6 +35,17 @@ _STATE_COLUMNS = (
     ("THROTTLED", "throttled_requests"),
     ("LATE", "engine_late_s"),
 )
+#: Added to the states' table when any state shows a ceiling (one that
+#: applies, or tokens borrowed): the output rate borrowed up to, the tokens
+#: borrowed, whether the engine was spare for the user at its last step.
+_CEILING_COLUMNS = (
+    ("CEIL/S", "ceiling_tokens_per_second"),
+    ("BORROWED", "borrowed_tokens"),
+    ("MAY_BORROW", "may_borrow"),
+)
+#: The keys of ``state_dict`` whose value, where any is not zero, shows the
+#: ceiling columns.
+_CEILING_SHOWN_BY = ("ceiling_tokens_per_second", "borrowed_tokens")
 #: Added to the states' table when any state shows a prompt budget (a prompt
 #: rate, or prompt tokens charged, held or let through by shadow mode).
 _PROMPT_COLUMNS = (
@@ -73,7 +84,11 @@ _STORE_KEYS = ("held_tokens", "global_tat_lead_s", "global_tat_read_age_s", "hea
 #: The fields output shows first, in this order (``shown_fields``).
 _FIRST = ("tokens_per_second", "tier")
 #: Column titles other than the key's (``_title``).
-_TITLES = {"member_count": "MEMBERS", "prompt_tokens_per_second": "PROMPT/S"}
+_TITLES = {
+    "member_count": "MEMBERS",
+    "prompt_tokens_per_second": "PROMPT/S",
+    "ceiling_tokens_per_second": "CEIL/S",
+}
 TEAM_STATE_COLUMNS = (
     ("TEAM", "team"),
     ("TOKENS/S", "tokens_per_second"),
@@ -188,6 +203,9 @@ def state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "prompt_held_skips": state.prompt_held_skips,
         "prompt_shadow_holds": state.prompt_shadow_holds,
         "prompt_wait_s": state.prompt_wait.ToNanoseconds() / 1e9,
+        "ceiling_tokens_per_second": state.ceiling_tokens_per_second,
+        "borrowed_tokens": state.borrowed_tokens,
+        "may_borrow": state.may_borrow,
     }
 
 
@@ -236,33 +254,39 @@ def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> N
 def emit_default(
     out: TextIO, args: argparse.Namespace, default: _pb2.DefaultLimit
 ) -> None:
-    """The default's rate and prompt rate (``None`` in JSON, no line in text:
-    none)."""
+    """The default's rate, prompt rate and ceiling (``None`` in JSON, no line
+    in text: none)."""
     prompt = default.prompt_tokens_per_second
+    ceiling = default.ceiling_tokens_per_second
     if args.json:
         print_json(
             out,
             {
                 "default_tokens_per_second": default.tokens_per_second,
                 "default_prompt_tokens_per_second": prompt or None,
+                "default_ceiling_tokens_per_second": ceiling or None,
             },
         )
     else:
         print(f"default: {default.tokens_per_second} tokens/s", file=out)
         if prompt:
             print(f"default prompt rate: {prompt} prompt tokens/s", file=out)
+        if ceiling:
+            print(f"default ceiling: {ceiling} tokens/s", file=out)
 
 
 def print_states(out: TextIO, mode: str, states: list[dict[str, Any]]) -> None:
     """States (``state_dict``) as a table under a line with the pacing mode;
-    with the prompt budget's columns when any state shows one, the fair-share
-    columns when fair share is on, and the store's when any state has a store
-    view."""
+    with the ceiling's columns when any state shows one, the prompt budget's
+    when any state shows one, the fair-share columns when fair share is on,
+    and the store's when any state has a store view."""
     fair_share = any(state["fair_share"] for state in states)
     print(f"pacing mode: {mode}{', fair share on' if fair_share else ''}", file=out)
+    ceiling = any(state[key] for state in states for key in _CEILING_SHOWN_BY)
     prompt = any(state[key] for state in states for key in _PROMPT_SHOWN_BY)
     columns = (
         _STATE_COLUMNS
+        + (_CEILING_COLUMNS if ceiling else ())
         + (_PROMPT_COLUMNS if prompt else ())
         + (_FAIR_SHARE_COLUMNS if fair_share else ())
     )

@@ -1,8 +1,9 @@
 """How ``output-rate-ctl`` spells a kind's commands and fields (``control.kinds``),
 in one place for the parser (``control.cli.args``) and the commands' usage errors
 (``control.cli.commands``): ``create-tier`` and ``teams create``; ``--rate`` for
-``tokens_per_second``, ``--prompt-rate`` for ``prompt_tokens_per_second``, else
-the field's own name (``--weight``, ``--tier``).
+``tokens_per_second``, ``--prompt-rate`` for ``prompt_tokens_per_second``,
+``--ceiling`` for ``ceiling_tokens_per_second``, else the field's own name
+(``--weight``, ``--tier``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from pacing.policy.model import ATTRIBUTES
 #: as in ``set USER RATE``); every other attribute is an option.
 POSITIONAL = "tokens_per_second"
 #: Fields whose option and noun are not their own name.
-_NAMES = {"tokens_per_second": "rate", "prompt_tokens_per_second": "prompt_rate"}
+_NAMES = {
+    "tokens_per_second": "rate",
+    "prompt_tokens_per_second": "prompt_rate",
+    "ceiling_tokens_per_second": "ceiling",
+}
 #: Fields whose noun in a sentence is not their name.
 _NOUNS = {
     "tokens_per_second": "rate",
     "exempt": "exemption",
     "prompt_tokens_per_second": "prompt rate",
+    "ceiling_tokens_per_second": "ceiling",
 }
 
 
@@ -38,7 +44,8 @@ def command(kind: Kind, verb: str) -> str:
 
 def name(field: str) -> str:
     """``rate`` for ``tokens_per_second``, ``prompt-rate`` for
-    ``prompt_tokens_per_second``, else the field (``-`` for ``_``)."""
+    ``prompt_tokens_per_second``, ``ceiling`` for ``ceiling_tokens_per_second``,
+    else the field (``-`` for ``_``)."""
     return _NAMES.get(field, field).replace("_", "-")
 
 

@@ -216,7 +216,11 @@ def _merged(kind: Kind, old: Value, changes: Mapping[str, object]) -> Value:
                 merged.pop(group_kind, None)
             else:
                 merged[group_kind] = str(group)
-    return dataclasses.replace(limits, **attributes), merged
+    try:
+        new = dataclasses.replace(limits, **attributes).check(kind.resource)
+    except PolicyError as error:
+        raise InvalidArgument(str(error)) from None
+    return new, merged
 
 
 def _value(holder: Holder) -> Value:

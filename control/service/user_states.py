@@ -22,7 +22,7 @@ from typing import Any
 from control import names
 from control.errors import InvalidArgument, NotFound
 from control.pagination import PageTokens
-from control.resources import FairShareState, UserState
+from control.resources import CeilingState, FairShareState, UserState
 from control.service.holds import KEYS_PER_HOLD, STATES_PER_HOLD, let_a_step_in
 from control.service.ordering import MAX_PAGE_SIZE, Order, page_size, resume
 from control.table import shown
@@ -165,9 +165,9 @@ def _states_in_holds(shared: SharedLimiter, users: Sequence[str]) -> list[UserSt
 
 
 def _users(shared: SharedLimiter) -> list[str]:
-    """The users the limiter knows: with an entry (a weight or a prompt rate
-    alone included), live requests or counters. Holds the lock only to copy
-    the names (C-level copies); merges them off the lock."""
+    """The users the limiter knows: with an entry (a weight, a prompt rate or
+    a ceiling alone included), live requests or counters. Holds the lock only
+    to copy the names (C-level copies); merges them off the lock."""
     limiter = shared.limiter
     with shared.lock:
         reading = shared.read()
@@ -179,6 +179,7 @@ def _users(shared: SharedLimiter) -> list[str]:
             [*limiter.exempt_users],
             [*shared.fair_share.weights.users],
             [*shared.prompt.limiter.user_rates],
+            [*shared.ceilings.table.user_rates],
         ]
     return list(set().union(*copies))
 
@@ -192,6 +193,7 @@ def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
         or user in limiter.exempt_users
         or user in shared.fair_share.weights.users
         or shared.prompt.limiter.limit_source(user).kind == "user"
+        or shared.ceilings.table.limit_source(user).kind == "user"
     )
 
 
@@ -199,11 +201,13 @@ def _states(
     shared: SharedLimiter, reading: Reading, users: Iterable[str]
 ) -> list[UserState]:
     """Each of ``users``' state with its limit's source, its standing under
-    fair share and, with a global store, its view of the store. Requires
-    shared.lock."""
+    fair share, its ceiling and, with a global store, its view of the store.
+    Requires shared.lock."""
     limiter = shared.limiter
-    budget = shared.budget
-    views = budget if isinstance(budget, StoreViews) else None
+    # Builds the borrowing budget while any holder has a ceiling.
+    views = _store_views(shared.budget)
+    ceilings = shared.ceilings
+    borrowing = ceilings.borrowing
     ledger = shared.fair_share
     floor = _backlogged_floor(ledger)
     states = []
@@ -231,10 +235,27 @@ def _states(
                     if backlogged and floor is not None
                     else 0.0,
                 ),
+                ceiling=CeilingState(
+                    ceiling=ceilings.table.rate_of(user),
+                    borrowed_tokens=0 if counters is None else counters.borrowed_tokens,
+                    may_borrow=borrowing is not None and borrowing.spare_for(user),
+                ),
                 store=None if views is None else views.store_view(user, reading.now_ns),
             )
         )
     return states
+
+
+def _store_views(budget: object) -> StoreViews | None:
+    """The global store's budget under ``budget``: the budget itself, or the
+    one a wrapper spends from (the borrowing budget over it while any holder
+    has a ceiling, the teams' while any team exists: each holds it as
+    ``base``); None without a store."""
+    while budget is not None:
+        if isinstance(budget, StoreViews):
+            return budget
+        budget = getattr(budget, "base", None)
+    return None
 
 
 def _backlogged_floor(ledger: FairShare) -> float | None:

@@ -60,6 +60,10 @@ def update_default(
     with commits.changes:
         current = commits.current()
         default = dataclasses.replace(current.default, **changes)
+        try:
+            default.check("default_limit")
+        except PolicyError as error:
+            raise InvalidArgument(str(error)) from None
         rate = default.tokens_per_second
         commits.commit(
             dataclasses.replace(current, default=default),

@@ -79,6 +79,8 @@ class FairShareSteps:
     __slots__ = (
         "accounting",
         "backlogged",
+        "band_of",
+        "banded",
         "book",
         "high_water",
         "ledger",
@@ -120,6 +122,10 @@ class FairShareSteps:
         #: Users backlogged and eligible at the last step's start.
         self.backlogged: set[str] = set()
         self.was_enabled = False
+        #: A request's priority band (``bands``; 0 the highest), set by the
+        #: steps; used while the policy has more than one band.
+        self.band_of: Callable[[Request], int] | None = None
+        self.banded = False
 
     def active(self) -> bool:
         """Whether fair share runs in this step; a switch on starts every
@@ -149,6 +155,8 @@ class FairShareSteps:
         ineligible: Collection[str],
         can_start: Callable[[str], bool],
         keep: Collection[str] = (),
+        *,
+        banded: bool = False,
     ) -> None:
         """Lifts, yields slots and orders the waiting queue for this step.
         ``ineligible``: users that do not count as eligible while backlogged
@@ -163,6 +171,7 @@ class FairShareSteps:
             ledger.lift(entering, backlogged)
         self.backlogged = backlogged
         self.team_weights = None
+        self.banded = banded and self.band_of is not None
         ledger.backlogged = frozenset(backlogged)
         upstream = self.upstream
         if upstream.waiting_count() == 0:
@@ -270,6 +279,20 @@ class FairShareSteps:
         if not candidates or len(chosen) == len(receivers):
             return chosen, []
         rest = receivers[len(chosen) :]
+        if self.banded:
+            # Slots move for fair share within the best waiting band only
+            # (bands preempt across bands: ``bands``).
+            band_of = self.band_of
+            assert band_of is not None
+            best = band_of(rest[0])
+            rest = [r for r in rest if band_of(r) == best]
+            candidates = {
+                user: kept
+                for user, requests in candidates.items()
+                if (kept := [r for r in requests if band_of(r) == best])
+            }
+            if not candidates:
+                return chosen, []
         # Counters do not change here: unless a candidate is more than the
         # hysteresis ahead of some receiver, no slot can move (rule 1).
         lead = max(counter.get(v, 0.0) for v in candidates)
@@ -353,7 +376,7 @@ class FairShareSteps:
         for request in self.upstream.waiting:
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             queues.setdefault(user, []).append(request)
-        if len(queues) < 2:
+        if len(queues) < 2 and not self.banded:
             return next(iter(queues.values()), [])
         # A request's key is its user's counter projected up to it. Costs are
         # >= 0, so each user's keys never decrease and placing the smallest
@@ -370,7 +393,12 @@ class FairShareSteps:
                     prompt_left = placed.num_prompt_tokens - placed.num_computed_tokens
                     projected += ledger.cost(max(0, prompt_left), 0, weight)
                     keyed.append((projected, request))
-        keyed.sort(key=itemgetter(0))
+        if self.banded:
+            band_of = self.band_of
+            assert band_of is not None
+            keyed.sort(key=lambda item: (band_of(item[1]), item[0]))
+        else:
+            keyed.sort(key=itemgetter(0))
         return [request for _, request in keyed]
 
     # -- step end --------------------------------------------------------------

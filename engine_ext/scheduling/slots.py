@@ -20,13 +20,17 @@ caching makes that cheap):
 A yielded request re-enters the waiting queue at its front, so it is the next to
 start once a slot is spare or its user has budget again: no user is starved.
 
+A user whose rate is guaranteed (it has a ceiling) keeps its last running
+request's slot while its next token is due within its burst: held to its rate
+while others wait, it is not starved of the slot its rate needs.
+
 Invariant: only parked requests yield, never to a request of a higher priority
 value (a lower priority), and a request in ``yielded`` is never a victim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.grants import PacedStep
@@ -39,12 +43,17 @@ if TYPE_CHECKING:
 class SlotYielding:
     """Preempts parked requests for waiting requests of users with budget."""
 
-    __slots__ = ("upstream", "yielded")
+    __slots__ = ("burst_ns", "guaranteed", "upstream", "yielded")
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
         #: Requests preempted to yield their slot, until next dispatched to sample.
         self.yielded: set[str] = set()
+        #: Whether a user's rate is guaranteed (it has a ceiling:
+        #: ``pacing.ceilings``); None: nobody's is.
+        self.guaranteed: Callable[[str], bool] | None = None
+        #: The rate's burst: a next token due within it keeps the slot.
+        self.burst_ns = 0
 
     def yield_for_waiting(self, step: PacedStep) -> None:
         """Preempts parked requests so that waiting requests of users with
@@ -88,15 +97,45 @@ class SlotYielding:
             name: step.budget.ready_at_ns(name, step.now_ns)
             for name in {user(r.request_id) for r in parked}
         }
+        kept = self._kept_slots(step, parked, ready)
         candidates = [
             r
             for r in parked
-            if r.request_id not in self.yielded and self.upstream.blocks_can_be_freed(r)
+            if r.request_id not in self.yielded
+            and r.request_id not in kept
+            and self.upstream.blocks_can_be_freed(r)
         ]
         candidates.sort(
             key=lambda r: (-r.priority, -ready[user(r.request_id)], -position[id(r)])
         )
         return candidates
+
+    def _kept_slots(
+        self, step: PacedStep, parked: list[Request], ready: dict[str, int]
+    ) -> set[str]:
+        """Parked requests that keep their slot: one of each user whose rate
+        is guaranteed, whose next token is due within its burst and that has
+        no other request running unparked (paced at its rate, it needs a slot
+        again in a few steps)."""
+        guaranteed = self.guaranteed
+        if guaranteed is None:
+            return set()
+        user = step.book.user
+        due_by = step.now_ns + self.burst_ns
+        unparked = {user(r.request_id) for r in self.upstream.running} - {
+            user(r.request_id) for r in parked
+        }
+        kept: dict[str, str] = {}
+        for request in parked:  # the least recently served first
+            name = user(request.request_id)
+            if (
+                name not in kept
+                and name not in unparked
+                and ready[name] <= due_by
+                and guaranteed(name)
+            ):
+                kept[name] = request.request_id
+        return set(kept.values())
 
     def _yield(self, victim: Request) -> None:
         self.yielded.add(victim.request_id)

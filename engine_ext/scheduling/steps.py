@@ -15,6 +15,10 @@
   per-request hooks bound (``request_hooks``), then the step settles
   (``settlement.settle_paced``) and ``running`` is restored.
 
+Ceilings (``spare``): at every step's start the users that wait for capacity
+within their rate are handed to the borrowing budget, which lends above a
+user's rate only while nobody else does.
+
 Prompt budgets (``prompt_gate``) make a step paced while a prompt-limited user
 has unpaid prompt that its known prompt headroom may not cover; every step's
 computed prompt tokens are charged once upstream has scheduled it.
@@ -28,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from engine_ext.scheduling import ordering, settlement
+from engine_ext.scheduling.bands import BandSteps
 from engine_ext.scheduling.drafts import (
     DraftRefunds,
     free_step_charges,
@@ -40,6 +45,7 @@ from engine_ext.scheduling.idle_users import IdleUsers
 from engine_ext.scheduling.prompt_gate import PromptGate
 from engine_ext.scheduling.request_hooks import RequestHooks
 from engine_ext.scheduling.slots import SlotYielding
+from engine_ext.scheduling.spare import SpareCapacity
 from engine_ext.scheduling.step_accounting import EngineLate, ThrottleEpisodes
 from engine_ext.scheduling.upstream import (
     Request,
@@ -81,6 +87,7 @@ class Steps:
         self.clock = clock
         self._bind_hooks = bind_hooks
         self.slots = SlotYielding(upstream)
+        self.slots.burst_ns = shared.limiter.burst_ns
         self.hiding = Hiding(upstream, kv_block_sizes)
         self.fair = FairShareSteps(
             upstream,
@@ -92,6 +99,17 @@ class Steps:
         )
         #: Prompt budgets (``prompt_gate``): what each prompt has paid.
         self.prompt = PromptGate(upstream, shared.prompt, book, shared.accounting)
+        #: Priority bands (``bands``): the queue's order and preemption.
+        self.bands = BandSteps(
+            upstream,
+            book,
+            lambda: shared.bands,
+            shared.limiter.tier_of,
+            lambda user: shared.teams.team_of(user),
+        )
+        self.fair.band_of = self.bands.band_of
+        #: Ceilings (``spare``): who waits for capacity, so nobody borrows it.
+        self.spare = SpareCapacity(upstream, book)
         self.engine_late = EngineLate()
         #: Draft tokens charged in the steps in flight, refunded once rejected.
         self.drafts = DraftRefunds()
@@ -124,6 +142,7 @@ class Steps:
         seconds throttled if it was ever throttled (request tracing on)."""
         self.slots.yielded.discard(request_id)
         self.fair.request_ended(request_id)
+        self.bands.request_ended(request_id)
         self.prompt.ended(request_id, self.clock)
         if not self.episodes:
             return None
@@ -147,9 +166,15 @@ class Steps:
         if mode is Mode.OFF:
             return self.unpaced_step(throttle_prefills)
         budget = shared.budget
+        borrowing = shared.ceilings.borrowing
+        if borrowing is not None:
+            self.spare.lend(borrowing, now_ns)
         limit_changed = (
             self.seen_limit_changes != budget.limit_changes
             or budget is not self.seen_budget
+        )
+        self.slots.guaranteed = (
+            None if borrowing is None else lambda user: bool(borrowing.ceiling_of(user))
         )
         if limit_changed:  # every user's headroom may have shrunk
             self.seen_limit_changes = budget.limit_changes
@@ -199,12 +224,16 @@ class Steps:
             self.use_hooks(False)
         upstream = self.upstream
         fair = self.fair.active()
-        if fair:
+        banded = self.bands.active()
+        if fair or banded:
 
             def can_start(user: str) -> bool:
                 return user not in set_aside
 
-            self.fair.before_step(set_aside, can_start)
+            if banded:
+                self.bands.before_step(can_start, order=not fair)
+            if fair:
+                self.fair.before_step(set_aside, can_start, banded=banded)
         output = upstream.schedule(throttle_prefills)
         if fair:
             self.fair.charge_service(output.num_scheduled_tokens, upstream.requests())
@@ -240,6 +269,9 @@ class Steps:
     def cleanup(self, now_ns: int, fair: bool) -> None:
         self.idle.cleanup(now_ns)
         self.prompt.forget_idle(self.book.live)
+        borrowing = self.shared.ceilings.borrowing
+        if borrowing is not None:
+            borrowing.forget_idle(now_ns, self.book.live)
         if fair:
             self.fair.cleanup()
 
@@ -357,6 +389,11 @@ class Steps:
         try:
             if not shadow:
                 self.slots.yield_for_waiting(step)
+            if self.bands.active():
+                self.bands.before_step(
+                    (lambda user: True) if shadow else step.has_budget,
+                    order=not fair,
+                )
             if fair:
                 self._fair_share_start(step, shadow)
             if ordered and not throttle_prefills:
@@ -414,7 +451,7 @@ class Steps:
             def anyone(user: str) -> bool:
                 return True
 
-            self.fair.before_step((), anyone)
+            self.fair.before_step((), anyone, banded=self.bands.active())
             return
 
         def can_start(user: str) -> bool:
@@ -424,4 +461,5 @@ class Steps:
             self.book.maybe_without_budget,
             can_start,
             keep={r.request_id for r in step.parked},
+            banded=self.bands.active(),
         )

@@ -290,10 +290,14 @@ class _Reader:
         policy = Policy(
             mode=mode,
             fair_share=fair_share,
-            default=Limits(**self._holders.get(("default", ""), {})),
+            default=Limits(**self._holders.get(("default", ""), {})).check(
+                (DEFAULT_KEY,)
+            ),
             groups={
                 kind: {
-                    name: Limits(**self._attributes_of(kind, name))
+                    name: Limits(**self._attributes_of(kind, name)).check(
+                        (GROUP_KEYS[kind], name)
+                    )
                     for name in groups[kind]
                 }
                 for kind in KINDS
@@ -477,7 +481,7 @@ class _Reader:
                 continue
             limits = {key: value for key, value in given.items() if key not in KINDS}
             memberships = {kind: given[kind] for kind in KINDS if kind in given}
-            users[name] = User(Limits(**limits), memberships)
+            users[name] = User(Limits(**limits).check((USERS_KEY, name)), memberships)
         return users
 
     # -- metadata ---------------------------------------------------------

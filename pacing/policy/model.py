@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Final, Literal
 
+from pacing.bands import BandTable, validate_band
 from pacing.fair_share import validate_weight
 from pacing.fair_share_policy import SharePolicy
 from pacing.limits import LimitTable, validate_rate
@@ -47,12 +48,30 @@ RULES: Final[Mapping[str, Callable[..., object]]] = {
     "exempt": validate_flag,
     "weight": validate_weight,
     "prompt_tokens_per_second": validate_rate,
+    "ceiling_tokens_per_second": validate_rate,
+    "band": validate_band,
 }
 #: Holder -> the ``Limits`` attributes it may set.
 ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
-    "default": ("tokens_per_second", "prompt_tokens_per_second"),
-    "user": ("tokens_per_second", "exempt", "weight", "prompt_tokens_per_second"),
-    "tier": ("tokens_per_second", "exempt", "weight", "prompt_tokens_per_second"),
+    "default": (
+        "tokens_per_second",
+        "prompt_tokens_per_second",
+        "ceiling_tokens_per_second",
+    ),
+    "user": (
+        "tokens_per_second",
+        "exempt",
+        "weight",
+        "prompt_tokens_per_second",
+        "ceiling_tokens_per_second",
+    ),
+    "tier": (
+        "tokens_per_second",
+        "exempt",
+        "weight",
+        "prompt_tokens_per_second",
+        "ceiling_tokens_per_second",
+    ),
     "team": ("tokens_per_second", "weight", "prompt_tokens_per_second"),
 }
 
@@ -63,12 +82,31 @@ class Limits:
     (``None``: none of its own), whether it is exempt (unlimited, the rate kept
     for when the exemption is lifted), its fair-share weight (``None``: none of
     its own), its prompt rate: the uncached prompt tokens the engine computes
-    for it per second (``None``: none of its own; ``pacing.prompt_budget``)."""
+    for it per second (``None``: none of its own; ``pacing.prompt_budget``),
+    its ceiling: the output rate it may borrow up to from capacity nobody else
+    waits for (``None``: none of its own; ``pacing.ceilings``), its band: one
+    of the policy's ``bands`` (``None``: none of its own; ``pacing.bands``)."""
 
     tokens_per_second: int | None = None
     exempt: bool = False
     weight: float | None = None
     prompt_tokens_per_second: int | None = None
+    ceiling_tokens_per_second: int | None = None
+    band: str | None = None
+
+    def check(self, field: str | Sequence[PathPart] = ()) -> Limits:
+        """These limits if their attributes agree with each other (a ceiling
+        is at least the rate it lifts), else ``PolicyError`` at ``field``."""
+        ceiling, rate = self.ceiling_tokens_per_second, self.tokens_per_second
+        if ceiling is not None and rate is not None and ceiling < rate:
+            name = "ceiling_tokens_per_second"
+            raise PolicyError(
+                f"must be at least tokens_per_second ({rate}), got {ceiling}",
+                (f"{field}.{name}" if field else name)
+                if isinstance(field, str)
+                else (*field, name),
+            )
+        return self
 
     def __bool__(self) -> bool:
         return self != _NO_LIMITS
@@ -110,13 +148,16 @@ def _no_groups() -> Mapping[GroupKind, Mapping[str, Limits]]:
 class Policy:
     """The operator's policy. ``mode`` and ``fair_share`` are ``None`` where the
     policy does not say (the flags' or the engine's then hold); a ``default``
-    without a rate gives none."""
+    without a rate gives none. ``bands``: the priority bands, highest first
+    (none: one band); ``objectives``: the gateway's objective -> its band."""
 
     mode: Mode | None = None
     fair_share: bool | None = None
     default: Limits = _NO_LIMITS
     groups: Mapping[GroupKind, Mapping[str, Limits]] = field(default_factory=_no_groups)
     users: Mapping[str, User] = field(default_factory=dict)
+    bands: tuple[str, ...] = ()
+    objectives: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Every kind present, so that readers index without a default.
@@ -126,6 +167,8 @@ class Policy:
             {kind: dict(self.groups.get(kind, {})) for kind in KINDS},
         )
         object.__setattr__(self, "users", dict(self.users))
+        object.__setattr__(self, "bands", tuple(self.bands))
+        object.__setattr__(self, "objectives", dict(self.objectives))
 
     @property
     def default_rate(self) -> int | None:
@@ -134,11 +177,13 @@ class Policy:
     def same_table(self, other: Policy) -> bool:
         """Whether ``other`` holds the same default, groups and users (the mode
         and the fair-share switch aside)."""
-        return (self.default, self.groups, self.users) == (
-            other.default,
-            other.groups,
-            other.users,
-        )
+        return (
+            self.default,
+            self.groups,
+            self.users,
+            self.bands,
+            self.objectives,
+        ) == (other.default, other.groups, other.users, other.bands, other.objectives)
 
     def overlaid(self, top: Policy) -> Policy:
         """This policy with ``top`` over it: what ``top`` sets wins, attribute
@@ -159,6 +204,8 @@ class Policy:
             default=self.default.overlaid(top.default),
             groups=groups,
             users=users,
+            bands=top.bands or self.bands,
+            objectives={**self.objectives, **top.objectives},
         )
 
     def members(self, kind: GroupKind) -> dict[str, str]:
@@ -216,6 +263,26 @@ class Policy:
                 for user, team in self.members("team").items()
                 if team in rates
             },
+        )
+
+    def band_table(self) -> BandTable:
+        """The bands and each holder's band, as indices."""
+        index = {name: i for i, name in enumerate(self.bands)}
+
+        def of(holders: Mapping[str, Limits]) -> dict[str, int]:
+            return {
+                name: index[limits.band]
+                for name, limits in holders.items()
+                if limits.band in index
+            }
+
+        return BandTable(
+            self.bands,
+            index.get(self.default.band or "", 0),
+            of({user: entry.limits for user, entry in self.users.items()}),
+            of(self.groups["tier"]),
+            of(self.groups["team"]),
+            {o: index[band] for o, band in self.objectives.items() if band in index},
         )
 
     def share_policy(self, enabled: bool = False) -> SharePolicy:

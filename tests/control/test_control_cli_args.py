@@ -93,7 +93,7 @@ USAGE_ERRORS = {
     "update-tier-without-change": (
         ["update-tier", "free"],
         "update-tier needs --rate, --no-rate, --exempt, --no-exempt, --weight, "
-        "--no-weight, --prompt-rate or --no-prompt-rate",
+        "--no-weight, --prompt-rate, --no-prompt-rate, --ceiling or --no-ceiling",
     ),
     "zero-weight": (["set-weight", "alice", "0"], f"{WEIGHT_RANGE} 0.0"),
     "negative-weight": (["set-weight", "alice", "-2"], f"{WEIGHT_RANGE} -2.0"),

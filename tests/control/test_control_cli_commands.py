@@ -38,7 +38,11 @@ def test_default_get_and_set(ctl, rig):
     status, out, _ = ctl("--json", "set-default", "30")
     assert (status, json.loads(out)) == (
         0,
-        {"default_tokens_per_second": 30, "default_prompt_tokens_per_second": None},
+        {
+            "default_tokens_per_second": 30,
+            "default_prompt_tokens_per_second": None,
+            "default_ceiling_tokens_per_second": None,
+        },
     )
     assert rig.limiter.default_rate == 30
 
@@ -102,9 +106,9 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
     assert (status, out.splitlines()) == (
         0,
         [
-            "TIER   TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  MEMBERS",
-            "free         20      no       -         -        1",
-            "staff         -     yes       -         -        0",
+            "TIER   TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  MEMBERS",
+            "free         20      no       -         -       -        1",
+            "staff         -     yes       -         -       -        0",
         ],
     )
     status, out, _ = ctl("--json", "update-tier", "free", "--rate", "30", "--exempt")
@@ -114,6 +118,7 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
         "exempt": True,
         "weight": None,
         "prompt_tokens_per_second": None,
+        "ceiling_tokens_per_second": None,
         "member_count": 1,
     }
     assert (rig.limiter.tier_rates, rig.limiter.exempt_tiers) == (
@@ -167,9 +172,9 @@ def test_membership_exemption_and_own_limit_are_separate_fields(ctl, rig):
     out = ctl("--json", "exempt", "dora")[1]  # no entry before
     assert json.loads(out) == entry("dora", None, exempt=True)
     assert ctl("list")[1].splitlines() == [
-        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  TEAM",
-        "bob         20     -      no       -         -     -",
-        "dora         -     -     yes       -         -     -",
+        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
+        "bob         20     -      no       -         -       -     -",
+        "dora         -     -     yes       -         -       -     -",
     ]
 
 

@@ -37,8 +37,8 @@ def test_update_sets_and_clears_a_users_prompt_rate(ctl, rig):
     assert rig.shared.prompt.limiter.rate_of("alice") == 1500
     assert rig.limiter.rate_of("alice") == 5  # the output rate is its own
     assert ctl("get", "alice")[1].splitlines() == [
-        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  TEAM",
-        "alice         5     -      no       -      1500     -",
+        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
+        "alice         5     -      no       -      1500       -     -",
     ]
     status, out, _ = ctl("--json", "update", "alice", "--no-prompt-rate")
     assert (status, json.loads(out)) == (0, entry("alice", 5))
@@ -92,6 +92,7 @@ def test_update_default_sets_and_clears_the_default_prompt_rate(ctl, rig):
     assert json.loads(out) == {
         "default_tokens_per_second": 10,
         "default_prompt_tokens_per_second": 3000,
+        "default_ceiling_tokens_per_second": None,
     }
     # set-default changes the rate alone; the prompt rate stays.
     status, out, _ = ctl("--json", "set-default", "20")
@@ -99,12 +100,14 @@ def test_update_default_sets_and_clears_the_default_prompt_rate(ctl, rig):
     assert json.loads(out) == {
         "default_tokens_per_second": 20,
         "default_prompt_tokens_per_second": 3000,
+        "default_ceiling_tokens_per_second": None,
     }
     status, out, _ = ctl("--json", "update-default", "--rate", "30", "--no-prompt-rate")
     assert status == 0
     assert json.loads(out) == {
         "default_tokens_per_second": 30,
         "default_prompt_tokens_per_second": None,
+        "default_ceiling_tokens_per_second": None,
     }
     assert (rig.limiter.default_rate, prompt_rates(rig)["default"]) == (30, 0)
     assert ctl("get-default")[1] == "default: 30 tokens/s\n"
@@ -114,8 +117,8 @@ def test_update_default_without_an_option_is_a_usage_error_and_sends_nothing(ctl
     status, out, err = ctl("update-default")
     assert (status, out) == (2, "")
     assert err == (
-        "output-rate-ctl: error: update-default needs --rate, --prompt-rate or "
-        "--no-prompt-rate\n"
+        "output-rate-ctl: error: update-default needs --rate, --prompt-rate, "
+        "--no-prompt-rate, --ceiling or --no-ceiling\n"
     )
     status, _, err = ctl("update-default", "--no-rate")
     assert status == 2

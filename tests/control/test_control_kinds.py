@@ -25,6 +25,7 @@ VALUES = {
     "exempt": True,
     "weight": 2.5,
     "prompt_tokens_per_second": 1500,
+    "ceiling_tokens_per_second": 70,
 }
 
 

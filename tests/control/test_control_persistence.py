@@ -93,7 +93,7 @@ BAD_FILES = [
     (
         '{"tiers": {"free": 20}}',
         "tiers.free: must be an object with any of 'tokens_per_second', 'exempt', "
-        "'weight', 'prompt_tokens_per_second', got int",
+        "'weight', 'prompt_tokens_per_second', 'ceiling_tokens_per_second', got int",
     ),
     (
         '{"tiers": {"free": {"tokens_per_second": 0}}}',
@@ -106,7 +106,7 @@ BAD_FILES = [
     (
         '{"tiers": {"free": {"rate": 1}}}',
         "tiers.free: unknown field(s) 'rate'; expected 'tokens_per_second', "
-        "'exempt', 'weight', 'prompt_tokens_per_second'",
+        "'exempt', 'weight', 'prompt_tokens_per_second', 'ceiling_tokens_per_second'",
     ),
     ('{"tiers": {"": {"exempt": true}}}', "tiers['']: tier id must not be empty"),
     (

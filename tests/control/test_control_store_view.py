@@ -228,3 +228,26 @@ def test_output_rate_ctl_shows_the_store_view(engine, served, capsys):
         "alice": ["0", "0ms", "-", "global"],
         "bob": ["1", "60ms", "40ms", "global"],
     }
+
+
+def test_the_store_view_stays_while_a_ceiling_or_a_team_wraps_the_budget(
+    engine, served
+):
+    """A ceiling puts the borrowing budget over the store's, a team the teams'
+    budget over that: the state still shows the store's view, and the ceiling."""
+    assert engine.take("bob", 1) == 0
+    engine.claimer.run_once()
+    stub = served.stub
+    stub.UpdateLimit(
+        pb.UpdateLimitRequest(
+            limit=pb.Limit(name="limits/bob", ceiling_tokens_per_second=30),
+            allow_missing=True,
+        )
+    )
+    state = state_of(served, "bob")
+    assert view(state) == (1, 100 * MS, 0, "GLOBAL")
+    assert (state.ceiling_tokens_per_second, state.may_borrow) == (30, True)
+    stub.CreateTeam(
+        pb.CreateTeamRequest(team_id="acme", team=pb.Team(tokens_per_second=60))
+    )
+    assert view(state_of(served, "bob")) == (1, 100 * MS, 0, "GLOBAL")

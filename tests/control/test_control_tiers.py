@@ -560,7 +560,8 @@ BAD_INPUT = [
         ),
         Invalid,
         "update_mask: cannot update 'etag'; mutable: "
-        "tokens_per_second, exempt, weight, prompt_tokens_per_second, tier, team",
+        "tokens_per_second, exempt, weight, prompt_tokens_per_second, "
+        "ceiling_tokens_per_second, tier, team",
     ),
     (
         "update entry stale etag",

@@ -34,6 +34,8 @@ EXPORTED = {
     metrics.TRACKED_USERS,
     metrics.LIMIT_TOKENS_PER_SECOND,
     metrics.PROMPT_LIMIT_TOKENS_PER_SECOND,
+    metrics.CEILING_TOKENS_PER_SECOND,
+    metrics.BORROWING_BLOCKED,
     metrics.LIMIT_CHANGES,
     metrics.CONFIG_RELOADS,
     metrics.CONTROL_RPCS,

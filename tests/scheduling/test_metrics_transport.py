@@ -38,6 +38,7 @@ from engine_ext.stats_payload import (
     PAYLOAD_VERSION,
 )
 from pacing.accounting import Accounting
+from pacing.ceilings import Ceilings
 from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
 from pacing.modes import Mode
@@ -491,6 +492,178 @@ def test_the_scheduler_hands_the_prompt_limits_to_the_payload(
     payload = parse(take_payload(scheduler.make_stats_with_payload()))
     assert payload.prompt_limits == {}
     assert payload.default_prompt_limit is None
+
+
+def test_borrowed_tokens_reach_vllms_registry_per_user_tier_and_team(
+    vllm_config: VllmConfig,
+) -> None:
+    """Ceilings: tokens borrowed above a user's rate, per labelled user (the
+    rest under ``__other__``), tier and team, born at zero; a refund after the
+    payload that carried the borrowing never makes the counters go down."""
+    assert (
+        metrics.USER_COUNTERS["borrowed_tokens"],
+        metrics.TIER_COUNTERS["borrowed_tokens"],
+        metrics.TEAM_COUNTERS["borrowed_tokens"],
+    ) == (
+        "vllm:output_rate_borrowed_tokens_total",
+        "vllm:output_rate_tier_borrowed_tokens_total",
+        "vllm:output_rate_team_borrowed_tokens_total",
+    )
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    limiter = OutputRateLimiter(
+        100, {"alice": 20}, tier_rates={"free": 20}, memberships={"bob": "free"}
+    )
+    table = TeamTable({"acme": 60}, {"alice": "acme", "bob": "acme"})
+    accounting = Accounting()
+    builder = PayloadBuilder()
+
+    def step() -> dict[str, float | None]:
+        payload = builder.build(
+            accounting=accounting,
+            user_rates={"alice": 20},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=3,
+            limiter=limiter,
+            teams=TeamActivity(table, (), (), 0),
+        )
+        plugin.record(engine_step(payload), None)
+        series = {
+            ("user", "alice"): metrics.BORROWED_TOKENS,
+            ("user", OTHER_USER): metrics.BORROWED_TOKENS,
+            ("tier", "free"): metrics.TIER_BORROWED_TOKENS,
+            ("tier", OTHER_TIER): metrics.TIER_BORROWED_TOKENS,
+            ("team", "acme"): metrics.TEAM_BORROWED_TOKENS,
+            ("team", OTHER_TEAM): metrics.TEAM_BORROWED_TOKENS,
+        }
+        return {
+            value: registry.get_sample_value(name, {"model_name": MODEL, label: value})
+            for (label, value), name in series.items()
+        }
+
+    accounting.record("alice", "borrowed_tokens", 30)
+    accounting.record("bob", "borrowed_tokens", 8)
+    accounting.record("carol", "borrowed_tokens", 2)  # in no tier or team
+    assert step() == {
+        "alice": 30,
+        OTHER_USER: 10,
+        "free": 8,
+        OTHER_TIER: 0,
+        "acme": 38,
+        OTHER_TEAM: 0,
+    }
+    assert 'user="carol"' not in generate_latest(registry).decode()
+    # alice gets 5 refunded, then borrows 7: 2 more than she had reached.
+    accounting.record("alice", "borrowed_tokens", -5)
+    assert step()["alice"] == 30
+    accounting.record("alice", "borrowed_tokens", 7)
+    assert step() == {
+        "alice": 32,
+        OTHER_USER: 10,
+        "free": 8,
+        OTHER_TIER: 0,
+        "acme": 40,
+        OTHER_TEAM: 0,
+    }
+
+
+def _ceilings(policy: Policy, needy: tuple[str, ...]) -> Ceilings:
+    """The ceilings of ``policy`` with a borrowing budget told that ``needy``
+    waited at the last step's start."""
+    ceilings = Ceilings(policy)
+    base = OutputRateLimiter(100, {})
+    ceilings.over(base, base.rate_of, Accounting(), base.burst_ns).lend_to(needy)
+    return ceilings
+
+
+def test_ceilings_and_blocked_borrowing_are_gauges_on_the_registry(
+    vllm_config: VllmConfig,
+) -> None:
+    """The ceiling gauge: each labelled user's ceiling (its own, its tier's or
+    the default), the default as ``__default__``; the borrowing gauge per
+    engine, 1 while a holder within its rate waits, gone with the ceilings."""
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0, 1], registry=registry)
+    builder = PayloadBuilder()
+    with_ceilings = Policy(
+        default=Limits(100, ceiling_tokens_per_second=150),
+        users={
+            "alice": User(Limits(20, ceiling_tokens_per_second=90)),
+            "bob": User(Limits(30)),
+            "carol": User(Limits(None, ceiling_tokens_per_second=500)),
+        },
+    )
+
+    def step(ceilings: Ceilings, engine: int) -> dict[str, float | None]:
+        payload = builder.build(
+            accounting=Accounting(),
+            user_rates={"alice": 20, "bob": 30},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=0,
+            ceilings=ceilings,
+        )
+        plugin.record(engine_step(payload), None, engine_idx=engine)
+        values = {
+            user: registry.get_sample_value(
+                metrics.CEILING_TOKENS_PER_SECOND, {"model_name": MODEL, "user": user}
+            )
+            for user in ("alice", "bob", "carol", DEFAULT_LIMIT_USER)
+        }
+        for index in ("0", "1"):
+            values[f"engine {index}"] = registry.get_sample_value(
+                metrics.BORROWING_BLOCKED, {"model_name": MODEL, "engine": index}
+            )
+        return values
+
+    assert step(_ceilings(with_ceilings, ("bob",)), 1) == {
+        "alice": 90,
+        "bob": 150,  # the default ceiling
+        "carol": None,  # a ceiling, but not labelled
+        DEFAULT_LIMIT_USER: 150,
+        "engine 0": None,
+        "engine 1": 1,
+    }
+    assert step(_ceilings(with_ceilings, ()), 0)["engine 0"] == 0
+    assert step(_ceilings(with_ceilings, ()), 1)["engine 1"] == 0
+    # The ceilings go: their samples go with them.
+    assert set(step(Ceilings(Policy(default=Limits(100))), 1).values()) == {
+        None,
+        0,  # engine 0's, until engine 0 says so
+    }
+    assert step(Ceilings(Policy(default=Limits(100))), 0)["engine 0"] is None
+
+
+def test_the_scheduler_hands_the_ceilings_to_the_payload(tiny_model_dir: str) -> None:
+    """What ``make_stats`` builds carries the ceilings of the policy in force:
+    the labelled users', the default, and borrowing not blocked (nobody
+    waits); none of them once no holder has a ceiling."""
+    scheduler = make_scheduler(
+        tiny_model_dir, user_rates={"alice": 5, "bob": 6}, scheduler_cls=_StatsScheduler
+    )
+    shared = scheduler.output_rate_shared
+    with shared.lock:
+        shared.policy = Policy(
+            default=Limits(100, ceiling_tokens_per_second=300),
+            users={
+                "alice": User(Limits(5, ceiling_tokens_per_second=50)),
+                "bob": User(Limits(6)),
+            },
+        )
+    payload = parse(take_payload(scheduler.make_stats_with_payload()))
+    assert payload.ceiling_limits == {"alice": 50, "bob": 300}
+    assert payload.default_ceiling_limit == 300
+    assert payload.borrowing_blocked is False
+    with shared.lock:
+        shared.policy = Policy(
+            default=Limits(100),
+            users={"alice": User(Limits(5)), "bob": User(Limits(6))},
+        )
+    payload = parse(take_payload(scheduler.make_stats_with_payload()))
+    assert payload.ceiling_limits == {}
+    assert payload.default_ceiling_limit is None
+    assert payload.borrowing_blocked is None
 
 
 def test_fair_share_metrics_reach_vllms_registry_through_the_real_pipeline(

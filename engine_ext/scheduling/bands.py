@@ -1,0 +1,188 @@
+"""Priority bands in the step: a waiting request of a higher band starts before
+any of a lower band (``pacing.bands`` holds the bands and each user's).
+
+At every step's start, while the policy has more than one band and requests
+wait:
+
+- *Order*: the waiting queue is sorted by band, highest first, stably (so
+  within a band the order is upstream's, or fair share's: with fair share on,
+  ``fair_share`` orders by band and then by its counters, and moves slots for
+  fair share only between requests of one band).
+- *Preemption*: when no slot is free for a waiting request of band ``k`` whose
+  user may start (has budget), a running request of a lower band yields its
+  slot (vLLM's preemption, recomputed on resume; prefix caching makes that
+  cheap): the lowest band first, in it the user holding the most slots, its
+  request with the fewest computed tokens. At most one victim per waiting
+  request, never more than the active cap lets start, after parked requests
+  have yielded (``slots``). A request that yielded for a band samples
+  ``MIN_RUN_TOKENS`` after it resumes before it may yield for a band again,
+  so every admission earns tokens: each preemption lets one higher-band
+  request start, and a lower-band request is preempted at most once per
+  ``MIN_RUN_TOKENS`` of its output.
+
+Invariant: no request yields to one of its own or a lower band.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from engine_ext.scheduling.upstream import STARTABLE, Upstream
+from engine_ext.scheduling.users import UserBook
+from pacing.bands import BandTable
+from pacing.identity import ANONYMOUS_USER
+
+if TYPE_CHECKING:
+    from engine_ext.scheduling.upstream import Request
+
+#: Output tokens a request samples after it resumes before it may yield its
+#: slot to a higher band again.
+MIN_RUN_TOKENS = 16
+
+
+class BandSteps:
+    """Bands around one scheduler's steps (the shared lock is held)."""
+
+    __slots__ = (
+        "_cache",
+        "book",
+        "floor",
+        "request_band",
+        "table",
+        "team_of",
+        "tier_of",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        book: UserBook,
+        table: Callable[[], BandTable],
+        tier_of: Callable[[str], str | None],
+        team_of: Callable[[str], str | None],
+    ) -> None:
+        self.upstream = upstream
+        self.book = book
+        self.table = table
+        self.tier_of = tier_of
+        self.team_of = team_of
+        #: request id -> the band its request was put in (the gateway's
+        #: objective), instead of its user's.
+        self.request_band: dict[str, int] = {}
+        #: request id -> output tokens it must reach before it may yield again.
+        self.floor: dict[str, int] = {}
+        #: (table, user -> band) of the current step.
+        self._cache: tuple[BandTable, dict[str, int]] | None = None
+
+    def active(self) -> bool:
+        return self.table().active
+
+    def band_of(self, request: Request) -> int:
+        """``request``'s band index (0: the highest)."""
+        band = self.request_band.get(request.request_id)
+        if band is not None:
+            return band
+        table = self.table()
+        cache = self._cache
+        if cache is None or cache[0] is not table:
+            cache = self._cache = (table, {})
+        users = cache[1]
+        user = self.book.user_of.get(request.request_id, ANONYMOUS_USER)
+        band = users.get(user)
+        if band is None:
+            band = users[user] = table.index_of(
+                user, self.tier_of(user), self.team_of(user)
+            )
+        return band
+
+    def request_ended(self, request_id: str) -> None:
+        self.request_band.pop(request_id, None)
+        self.floor.pop(request_id, None)
+
+    def preempted(self, request: Request) -> None:
+        """Any preemption: the request must sample ``MIN_RUN_TOKENS`` after it
+        resumes before it may yield for a band."""
+        self.floor[request.request_id] = request.num_output_tokens + MIN_RUN_TOKENS
+
+    def before_step(self, can_start: Callable[[str], bool], *, order: bool) -> None:
+        """Preempts lower bands' running requests for waiting higher-band ones
+        and, with ``order``, sorts the waiting queue by band."""
+        upstream = self.upstream
+        if upstream.waiting_count() == 0:
+            return
+        self._cache = None
+        band_of = self.band_of
+        waiting = list(upstream.waiting)
+        bands = [band_of(r) for r in waiting]
+        self._yield_to_higher(waiting, bands, can_start)
+        if order:
+            waiting = list(upstream.waiting)
+            keys = [band_of(r) for r in waiting]
+            if any(a > b for a, b in pairwise(keys)):
+                ranks = sorted(range(len(waiting)), key=keys.__getitem__)
+                upstream.reorder_waiting([waiting[i] for i in ranks])
+
+    def _yield_to_higher(
+        self,
+        waiting: list[Request],
+        bands: list[int],
+        can_start: Callable[[str], bool],
+    ) -> None:
+        upstream = self.upstream
+        free = max(0, upstream.slots - upstream.held_slots())
+        user_of = self.book.user_of
+        receivers = sorted(
+            (
+                (band, i)
+                for i, (request, band) in enumerate(zip(waiting, bands, strict=True))
+                if request.status in STARTABLE
+                and can_start(user_of.get(request.request_id, ANONYMOUS_USER))
+            ),
+        )
+        # Each victim frees a slot and a place under the active cap.
+        wanting = receivers[free:]
+        if not wanting:
+            return
+        running = [(r, self.band_of(r)) for r in upstream.running]
+        if max((band for _, band in running), default=-1) <= wanting[0][0]:
+            return  # nothing runs below the best waiting band
+        held_by: dict[tuple[int, str], int] = {}
+        candidates: list[tuple[int, str, Request]] = []
+        floor = self.floor
+        for request, band in running:
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            held_by[(band, user)] = held_by.get((band, user), 0) + 1
+            if request.num_output_tokens >= floor.get(
+                request.request_id, 0
+            ) and upstream.blocks_can_be_freed(request):
+                candidates.append((band, user, request))
+        for band, _ in wanting:
+            victim = _best_victim(candidates, held_by, band)
+            if victim is None:
+                break
+            victim_band, victim_user, request = victim
+            candidates.remove(victim)
+            held_by[(victim_band, victim_user)] -= 1
+            upstream.preempt(request)
+
+
+def _best_victim(
+    candidates: list[tuple[int, str, Request]],
+    held_by: dict[tuple[int, str], int],
+    below: int,
+) -> tuple[int, str, Request] | None:
+    """The candidate of the lowest band under ``below``, its user holding the
+    most slots of that band, its request with the fewest computed tokens."""
+    best = None
+    best_key = None
+    for candidate in candidates:
+        band, user, request = candidate
+        if band <= below:
+            continue
+        key = (band, held_by[(band, user)], -request.num_computed_tokens)
+        if best_key is None or key > best_key:
+            best, best_key = candidate, key
+    return best

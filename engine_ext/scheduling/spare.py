@@ -1,0 +1,75 @@
+"""Whose waiting stops borrowing: the needy holders at a step's start.
+
+A holder borrows above its rate (``pacing.ceilings``) only with capacity
+nobody else waits for. What the scheduler sees at a step's start decides:
+a request of user ``u`` is *needy* when
+
+1. it is in the waiting queue and could start (waiting or preempted, not
+   awaiting a KV transfer or a grammar),
+2. it is waiting for capacity: it was there at the previous step's start too
+   (that step did not start it: no slot, token budget or KV blocks), or no slot
+   is free now, and
+3. ``u`` is within its own rate: its own budget, without borrowing, has a
+   token (``Borrowing.base``).
+
+The step's needy holders are handed to ``Borrowing.lend_to``: a user may
+borrow only while no other user is needy, so a borrower is back at its own
+rate in the step after another holder's request starts waiting. Its requests
+are then paced like any user's: refused ones are parked, and parked requests
+yield their slot and KV blocks to the needy (``slots``).
+
+The scan stops at the second needy user (enough to tell anyone's spare), and
+each user's budget is read once per step; the ids of the whole queue are kept.
+"""
+
+from __future__ import annotations
+
+from engine_ext.scheduling.upstream import STARTABLE, Upstream
+from engine_ext.scheduling.users import UserBook
+from pacing.ceilings import Borrowing
+from pacing.identity import ANONYMOUS_USER
+
+#: Needy users enough to tell whether anyone is spare (``Borrowing.spare_for``).
+_ENOUGH = 2
+
+
+class SpareCapacity:
+    """Finds each step's needy holders (the shared limiter's lock is held)."""
+
+    __slots__ = ("_waited", "book", "upstream")
+
+    def __init__(self, upstream: Upstream, book: UserBook) -> None:
+        self.upstream = upstream
+        self.book = book
+        #: Ids of the waiting requests scanned at the last step's start.
+        self._waited: set[str] = set()
+
+    def lend(self, borrowing: Borrowing, now_ns: int) -> None:
+        """Tells ``borrowing`` this step's needy holders."""
+        upstream = self.upstream
+        if not upstream.anything_waits():
+            self._waited = set()
+            borrowing.lend_to(())
+            return
+        full = upstream.held_slots() >= upstream.slots
+        waited = self._waited
+        user_of = self.book.user_of
+        own = borrowing.base
+        within: dict[str, bool] = {}
+        needy: list[str] = []
+        for request in upstream.waiting:
+            request_id = request.request_id
+            if request.status not in STARTABLE or not (full or request_id in waited):
+                continue
+            user = user_of.get(request_id, ANONYMOUS_USER)
+            if user in needy:
+                continue
+            has = within.get(user)
+            if has is None:
+                has = within[user] = own.available(user, now_ns) > 0
+            if has:
+                needy.append(user)
+                if len(needy) >= _ENOUGH:
+                    break
+        self._waited = {request.request_id for request in upstream.waiting}
+        borrowing.lend_to(needy)
