@@ -14,6 +14,7 @@ holder exist and which it cannot lack.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -111,18 +112,34 @@ class Kind:
         return check_user(holder_id, field=field)
 
 
+#: The ``Limits`` attributes that hold a name (a band), not a number or a
+#: flag: the API carries them as strings, ``""`` for none.
+TEXT_ATTRIBUTES: Final = tuple(
+    item.name
+    for item in dataclasses.fields(Limits)
+    if "str" in str(item.type).replace(" ", "").split("|")
+)
+
+
 def attributes_wire(limits: Limits, attributes: tuple[str, ...]) -> dict[str, Any]:
-    """``attributes`` of ``limits`` as the API carries them: 0 for none."""
+    """``attributes`` of ``limits`` as the API carries them: 0 (``""`` for a
+    name, ``TEXT_ATTRIBUTES``) for none."""
     return {
-        name: 0 if (value := getattr(limits, name)) is None else value
+        name: _none_on_wire(name) if (value := getattr(limits, name)) is None else value
         for name in attributes
     }
+
+
+def _none_on_wire(attribute: str) -> object:
+    """What the API carries for ``attribute`` not set: ``""`` for a name, else
+    0."""
+    return "" if attribute in TEXT_ATTRIBUTES else 0
 
 
 def attributes_unwire(
     values: Mapping[str, object], attributes: tuple[str, ...]
 ) -> Limits:
-    """The limits that wire ``values`` of ``attributes`` say (0, false: none),
+    """The limits that wire ``values`` of ``attributes`` say (0, false, "": none),
     as the server sent them (not checked again)."""
     given: dict[str, Any] = {
         name: values[name] for name in attributes if values.get(name)

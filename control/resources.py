@@ -69,6 +69,10 @@ class LimitsTable:
     etag: str = ""
     #: The default with every attribute it holds.
     default: Limits = field(default_factory=Limits)
+    #: The priority bands, highest first (none: one band).
+    bands: tuple[str, ...] = ()
+    #: The gateway's objective -> its band.
+    objectives: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ class UserState:
     ceiling: CeilingState
     #: With a global store, the user's budget there as this engine sees it.
     store: StoreView | None = None
+    #: The priority band that applies to the user (``pacing.bands``); "":
+    #: no bands.
+    band: str = ""
 
 
 @dataclass(frozen=True)
@@ -229,7 +236,14 @@ def table_of(etags: Etags, policy: Policy, etag: str) -> LimitsTable:
             for holder_id in sorted(holders_of(policy, kind))
         )
         holders[kind] = [holder for holder in found if holder is not None]
-    return LimitsTable(policy.default_rate or 0, holders, etag, policy.default)
+    return LimitsTable(
+        policy.default_rate or 0,
+        holders,
+        etag,
+        policy.default,
+        policy.bands,
+        dict(sorted(policy.objectives.items())),
+    )
 
 
 def not_found(kind: Kind, holder_id: str) -> NotFound:

@@ -253,6 +253,8 @@ class OutputRateControlServicer(_pb2_grpc.OutputRateControlServicer):
                 holders,
                 table.etag,
                 default if table.HasField("default") else None,
+                bands=tuple(table.bands),
+                objectives=[(o.name, o.band) for o in table.objectives],
             )
         )
 
@@ -365,6 +367,11 @@ def _table(table: LimitsTable) -> _pb2.LimitsTable:
         default_tokens_per_second=table.default_tokens_per_second,
         etag=table.etag,
         default=_default(table.default),
+        bands=table.bands,
+        objectives=[
+            _pb2.Objective(name=name, band=band)
+            for name, band in table.objectives.items()
+        ],
         **{
             kind.collection: [
                 _message(holder) for holder in table.holders.get(kind, [])
@@ -411,6 +418,7 @@ def _user_state(view: UserState) -> _pb2.UserState:
         ceiling_tokens_per_second=view.ceiling.ceiling,
         borrowed_tokens=view.ceiling.borrowed_tokens,
         may_borrow=view.ceiling.may_borrow,
+        band=view.band,
     )
 
 

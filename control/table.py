@@ -1,17 +1,20 @@
 """The policy in force as the control plane reads it (``table_in_force``), the
 policy document's text (``pacing.policy``: the one format and rules of the
 config file and the CLI's import/export), and the control plane's checks of
-single values: the pure rules' words, raised as ``InvalidArgument``.
+single values: the pure rules' words, raised as ``InvalidArgument`` (a band
+named by a holder against the policy's bands too).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from control.errors import InvalidArgument
 from pacing.fair_share import validate_weight
 from pacing.identity import validate_user
 from pacing.limiter import validate_rate
 from pacing.policy import text
-from pacing.policy.document import Document
+from pacing.policy.document import Document, known_band
 from pacing.policy.errors import PolicyError
 from pacing.policy.errors import shown as shown
 from pacing.policy.model import Policy
@@ -54,6 +57,28 @@ def check_team(value: object, *, field: str) -> str:
     """Returns ``value`` if it is a valid team id (the user-id rule), else
     raises InvalidArgument."""
     return check_user(value, field=field)
+
+
+def check_band(band: str | None, bands: Sequence[str], *, field: str) -> None:
+    """InvalidArgument naming ``field`` when ``band`` (``None``: none) is not
+    one of ``bands``, in the limits file's words."""
+    if band is not None:
+        try:
+            known_band(band, bands, field)
+        except PolicyError as error:
+            raise InvalidArgument(str(error)) from None
+
+
+def check_default_band(band: str | None, bands: Sequence[str], *, field: str) -> None:
+    """``check_band``, and InvalidArgument naming ``field`` when there are
+    ``bands`` and the default has none (the band of users no holder puts in
+    one)."""
+    if band is None and bands:
+        raise InvalidArgument(
+            f"{field}: needs band (one of bands: the band of users no holder "
+            "puts in one)"
+        )
+    check_band(band, bands, field=field)
 
 
 def check_weight(value: object, *, field: str) -> float | None:

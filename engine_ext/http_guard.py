@@ -7,7 +7,10 @@ from a header or the OpenAI ``user`` field (``--output-rate-user-source``), for
 a client-sent ``vllm_xargs.output_rate_user``; 401 for a request that names no
 user when ``--output-rate-require-user`` is set. Otherwise it passes the body
 on: unchanged, or with the id it read written into the body's extra args, the
-one field the engine reads a request's user from.
+one field the engine reads a request's user from. With a gateway source it
+also writes the team (``--output-rate-team-source header:NAME``) and the
+objective (``OBJECTIVE_HEADERS``, the Inference Extension's and llm-d's) the
+gateway named; each is refused from a client's body.
 
 In the attested mode (a gateway source or a required user) it also writes a
 fresh request binding and the id's attestation (``pacing.attestation``) there,
@@ -54,6 +57,8 @@ from pacing.attestation import (
 )
 from pacing.identity import (
     HEADER,
+    OBJECTIVE_FIELD,
+    OBJECTIVE_HEADERS,
     OPENAI_USER,
     TABLE_TEAM_SOURCE,
     TEAM_FIELD,
@@ -261,7 +266,10 @@ def check_payload(
     (``policy.source``), with its attestation in the attested mode, and only
     where the endpoint samples. A request that names no user is charged to
     ``__anonymous__``, or refused with 401 when ``policy.require_user`` is set
-    and it samples.
+    and it samples. With such a gateway source, the team (a team header
+    source) and the objective (``OBJECTIVE_HEADERS``) the gateway named are
+    written and attested beside the id; a bad one is refused with 400 even
+    where nothing is written.
     """
     field = ".".join((*shape.xargs, USER_FIELD))
     if shape.beam_search and _asks_for_beam_search(payload):
@@ -281,7 +289,12 @@ def check_payload(
             field,
         )
     if policy.key is not None and isinstance(xargs, dict):
-        for written_here in (ATTESTATION_FIELD, REQUEST_FIELD, TEAM_FIELD):
+        for written_here in (
+            ATTESTATION_FIELD,
+            REQUEST_FIELD,
+            TEAM_FIELD,
+            OBJECTIVE_FIELD,
+        ):
             if written_here in xargs:
                 where = ".".join((*shape.xargs, written_here))
                 return Rejection(
@@ -298,6 +311,13 @@ def check_payload(
                 team = validate_user(sent_team, field=policy.team_source.where)
             except ValueError as exc:
                 return Rejection(str(exc), None)
+    objective: str | None = None
+    if source.kind != XARGS:
+        # Trusted only from the gateway that names the user, as the team.
+        named_objective = _named_objective(headers)
+        if isinstance(named_objective, Rejection):
+            return named_objective
+        objective = named_objective
     named = _named_user(payload, xargs if sent else None, shape, source, headers)
     if isinstance(named, Rejection):
         return named
@@ -317,14 +337,50 @@ def check_payload(
     written = {USER_FIELD: valid}
     if team is not None:
         written[TEAM_FIELD] = team
+    if objective is not None:
+        written[OBJECTIVE_FIELD] = objective
     if policy.key is not None:
         # Binds the attestation to this HTTP request: every engine request vLLM
         # derives from it carries the same extra args.
         binding = written[REQUEST_FIELD] = new_binding()
         written[ATTESTATION_FIELD] = attest(
-            policy.key, valid, int(time.time()), binding=binding, team=team
+            policy.key,
+            valid,
+            int(time.time()),
+            binding=binding,
+            team=team,
+            objective=objective,
         )
     return written
+
+
+def _named_objective(headers: Sequence[tuple[bytes, bytes]]) -> str | Rejection | None:
+    """The objective the gateway named in ``OBJECTIVE_HEADERS`` (None: none;
+    an empty header names none, as for users), under the user-id rule; sent
+    under both names, the two must agree. Whether the policy maps it to a band
+    is the engine's to decide: the policy can change there at any time."""
+    sent: list[tuple[str, str]] = []
+    for header in OBJECTIVE_HEADERS:
+        where = f"request header {header}"
+        value = _header_value(headers, header, where)
+        if isinstance(value, Rejection):
+            return value
+        if value is not None:
+            sent.append((where, value))
+    if len(sent) > 1 and sent[0][1] != sent[1][1]:
+        current, deprecated = OBJECTIVE_HEADERS
+        return Rejection(
+            f"request headers {current} and {deprecated} (its deprecated name) "
+            "name different objectives: send one, or both with the same value",
+            None,
+        )
+    if not sent or not sent[0][1]:
+        return None
+    where, value = sent[0]
+    try:
+        return validate_user(value, field=where)
+    except ValueError as exc:
+        return Rejection(str(exc), None)
 
 
 def _named_user(

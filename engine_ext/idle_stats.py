@@ -103,6 +103,7 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
         shared.prompt.limiter.default_rate,
         shared.ceilings.table.default_rate,
         shared.ceilings.active,
+        scheduler._steps.band_stats.fingerprint(),
         dataclasses.astuple(scheduler.accounting.total),
         scheduler.limiter.tracked_users(),
         shared.fair_share.enabled,

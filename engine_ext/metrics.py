@@ -21,8 +21,14 @@ The store's families (``vllm:output_rate_store_*``, with a global store only)
 and the fair-share gauges carry an ``engine`` label, as vLLM's own per-engine
 metrics do: with data parallelism every rank is a store client of its own and
 keeps a fair-share ledger of its own. So do the gauges of a team's members
-with live requests (each rank holds requests of its own) and the borrowing
-gauge (each rank lends its own spare capacity, ``pacing.ceilings``).
+with live requests (each rank holds requests of its own), the borrowing
+gauge (each rank lends its own spare capacity, ``pacing.ceilings``) and the
+bands' gauges (each rank has a waiting queue and requests of its own).
+
+The bands' series (``vllm:output_rate_band_*``, label ``band``) exist only
+while the policy has more than one band (at most ``pacing.bands.MAX_BANDS``):
+the counters for exactly the bands in force, born at zero; the gauges for the
+bands the engine last reported, while pacing is on.
 
 With several API processes (``--api-server-count``) vLLM serves ``/metrics`` from
 prometheus_client's multiprocess files; the metric objects here write to those
@@ -42,6 +48,7 @@ from prometheus_client.metrics_core import Metric
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from engine_ext.payload_parser import (
+    BandsPart,
     FairSharePart,
     Payload,
     PayloadError,
@@ -152,6 +159,10 @@ TEAM_THROTTLED_MEMBERS = "vllm:output_rate_team_throttled_members"
 TEAM_MEMBER_ACTIVE_SECONDS = "vllm:output_rate_team_member_active_seconds_total"
 TEAM_MEMBER_THROTTLED_SECONDS = "vllm:output_rate_team_member_throttled_seconds_total"
 FAIR_SHARE_SERVICE_GAP = "vllm:output_rate_fair_share_service_gap"
+BAND_TOKENS = "vllm:output_rate_band_tokens_total"
+BAND_WAIT_SECONDS = "vllm:output_rate_band_wait_seconds_total"
+BAND_WAITING_REQUESTS = "vllm:output_rate_band_waiting_requests"
+BAND_FAIRNESS = "vllm:output_rate_band_fairness"
 
 #: Payload counter field -> exported counter name.
 USER_COUNTERS = {
@@ -350,6 +361,23 @@ _DOCS = {
     "users backlogged (and within their limits) at the engine's last step; 0 "
     "for fewer than two. Fair share bounds it; a gap that keeps growing means "
     "a user is not getting its share.",
+    BAND_TOKENS: "Priority bands: output tokens charged to the users of a band, "
+    "each user's in the band it was in when the engine reported them (its own, "
+    "its tier's, its team's or the default). Series exist while the policy has "
+    "more than one band.",
+    BAND_WAIT_SECONDS: "Time requests of a band spent in the waiting queue, "
+    "measured at step starts and counted when each starts or ends, in the band "
+    "its request was in; its rate is the average number of the band's requests "
+    "waiting.",
+    BAND_WAITING_REQUESTS: "Startable requests (waiting or preempted) of a band "
+    "in the engine's waiting queue at its last step start, less those ended "
+    "since; no sample with pacing off.",
+    BAND_FAIRNESS: "Jain's fairness index, (sum x)^2 / (n sum x^2), over the "
+    "band's users with live requests on the engine of x = output tokens "
+    "dispatched per second over the last 10 s divided by the user's weight: 1 "
+    "when all got the same per weight (one user: 1), 1/n when one got "
+    "everything. No sample without a user measured (live for about a second) "
+    "or with pacing off.",
 }
 
 # Registry -> our collector on it, so a second logger in one process (vLLM
@@ -471,6 +499,21 @@ class OutputRateMetrics:
         self._borrowing_blocked = _gauge(BORROWING_BLOCKED, engine)
         #: Engines with a borrowing-blocked sample.
         self._borrowing_engines: set[str] = set()
+        band = ["model_name", "band"]
+        self._band_tokens = Counter(
+            BAND_TOKENS, _DOCS[BAND_TOKENS], band, registry=None
+        )
+        self._band_wait = Counter(
+            BAND_WAIT_SECONDS, _DOCS[BAND_WAIT_SECONDS], band, registry=None
+        )
+        band_engine = ["model_name", "band", "engine"]
+        self._band_waiting = _gauge(BAND_WAITING_REQUESTS, band_engine)
+        self._band_fairness = _gauge(BAND_FAIRNESS, band_engine)
+        #: The bands with counter series.
+        self._bands: set[str] = set()
+        #: (band, engine) of the waiting and the fairness samples set.
+        self._band_waiting_labels: set[tuple[str, str]] = set()
+        self._band_fairness_labels: set[tuple[str, str]] = set()
         self._labelled: set[str] | None = None  # None until the first payload
         self._limit_values: dict[str, int] = {}
         self._prompt_limit_values: dict[str, int] = {}
@@ -508,6 +551,10 @@ class OutputRateMetrics:
             self._fair_share_enabled,
             self._fair_share_gap,
             self._borrowing_blocked,
+            self._band_tokens,
+            self._band_wait,
+            self._band_waiting,
+            self._band_fairness,
         )
         if registry is not None:
             collector = _Collector(self._definitions)
@@ -577,6 +624,37 @@ class OutputRateMetrics:
         if payload.fair_share is not None:
             self._apply_fair_share(payload.fair_share, str(engine))
         self._apply_borrowing(payload.borrowing_blocked, str(engine))
+        self._apply_bands(payload.bands, str(engine))
+
+    def _apply_bands(self, bands: BandsPart | None, engine: str) -> None:
+        """Counter series for exactly the bands in force (born at zero, gone
+        with the band or with all bands); ``engine``'s gauges for exactly the
+        bands it sent a value for."""
+        model = self._model
+        names = set() if bands is None else set(bands.names)
+        if names != self._bands:
+            for band in self._bands - names:
+                self._band_tokens.remove(model, band)
+                self._band_wait.remove(model, band)
+            for band in names - self._bands:
+                self._band_tokens.labels(model, band)
+                self._band_wait.labels(model, band)
+            self._bands = names
+        waiting: Mapping[str, float] = {}
+        fairness: Mapping[str, float] = {}
+        if bands is not None:
+            for band, tokens in bands.tokens.items():
+                self._band_tokens.labels(model, band).inc(tokens)
+            for band, wait_ns in bands.wait_ns.items():
+                self._band_wait.labels(model, band).inc(wait_ns / 1e9)
+            waiting = bands.waiting or {}
+            fairness = bands.fairness
+        self._band_waiting_labels = _set_engine_gauges(
+            self._band_waiting, model, engine, self._band_waiting_labels, waiting
+        )
+        self._band_fairness_labels = _set_engine_gauges(
+            self._band_fairness, model, engine, self._band_fairness_labels, fairness
+        )
 
     def _apply_borrowing(self, blocked: bool | None, engine: str) -> None:
         """Sets the engine's borrowing gauge, or removes it (no ceilings)."""
@@ -789,6 +867,25 @@ def _set_limits(
         for user, rate in wanted.items():
             gauge.labels(model, user).set(rate)
     return wanted
+
+
+def _set_engine_gauges(
+    gauge: Gauge,
+    model: str,
+    engine: str,
+    shown: set[tuple[str, str]],
+    values: Mapping[str, float],
+) -> set[tuple[str, str]]:
+    """Makes ``gauge`` (labels model, label, engine) show exactly ``values``
+    for ``engine``, leaving other engines' samples; given it shows ``shown``
+    ((label, engine) pairs), returns what it shows."""
+    wanted = {(label, engine) for label in values}
+    for label, other in shown - wanted:
+        if other == engine:
+            gauge.remove(model, label, engine)
+    for label, value in values.items():
+        gauge.labels(model, label, engine).set(value)
+    return {pair for pair in shown if pair[1] != engine} | wanted
 
 
 def _gauge(name: str, labels: list[str]) -> Gauge:

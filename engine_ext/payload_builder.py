@@ -14,15 +14,21 @@ also reads the counters of every user the accounting holds (those with live
 requests or recent events), once for both: O(users). With teams it also looks
 up the team of each user with live requests: O(live users). The fair-share gap
 is O(users backlogged at the last step). The ceilings cost O(labelled users).
+With bands (more than one), a build reads every user's counters like tiers do
+(once for all groups), and the fairness gauge looks up the band and weight of
+each user with live requests and keeps a snapshot of their counters once a
+second for ``BAND_FAIRNESS_WINDOW_NS``: O(live users) time, O(live users x 11)
+memory.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_ext.stats_payload import (
     COUNTER_FIELDS,
@@ -40,6 +46,7 @@ from engine_ext.stats_payload import (
     FailureLog,
 )
 from pacing.accounting import Accounting, UserCounters
+from pacing.bands import BandTable
 from pacing.ceilings import Ceilings
 from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
@@ -69,6 +76,11 @@ _ZEROS: tuple[float, ...] = (0,) * len(COUNTER_FIELDS)
 #: A group's counter rows being summed: label -> (its members' counter values
 #: now, and at the previous build).
 _Sums = dict[str, tuple[list[tuple[float, ...]], list[tuple[float, ...]]]]
+#: The band fairness gauge compares what each backlogged user of a band got
+#: over this window (``_BandFairness``) ...
+BAND_FAIRNESS_WINDOW_NS = 10_000_000_000
+#: ... from snapshots of their counters taken at most this often.
+BAND_SNAPSHOT_INTERVAL_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,98 @@ class TeamActivity:
     def team_of(self, user: str) -> str | None:
         """The team ``user`` is charged to."""
         return charged_team(self.table, self.gateway_teams, user)
+
+
+class BandQueue(Protocol):
+    """What a build reads of the waiting queue per band
+    (``engine_ext.scheduling.band_stats.BandStats``)."""
+
+    @property
+    def queued(self) -> Mapping[str, int] | None:
+        """band name -> startable waiting requests at the last step start (less
+        those ended since); None: no step start counted yet."""
+
+    @property
+    def wait_ns(self) -> Mapping[str, int]:
+        """band name -> ns requests of the band waited, cumulative."""
+
+
+@dataclass(frozen=True)
+class BandActivity:
+    """What a build reads of the priority bands (under the shared limiter's
+    lock)."""
+
+    #: The bands in force (``SharedLimiter.bands``).
+    table: BandTable
+    tier_of: Callable[[str], str | None]
+    team_of: Callable[[str], str | None]
+    #: A user's fair-share weight (its own, its tier's or the default).
+    weight_of: Callable[[str], float]
+    #: Users with live requests.
+    live: Collection[str]
+    #: The scheduler's clock now (monotonic ns).
+    now_ns: int
+    #: The waiting queue per band; None: not counted (no waiting series).
+    queue: BandQueue | None = None
+
+    def band_of(self, user: str) -> str:
+        """The name of ``user``'s band: its own, its tier's, its team's, the
+        default (``BandTable.index_of``)."""
+        table = self.table
+        return table.names[table.index_of(user, self.tier_of(user), self.team_of(user))]
+
+
+class _BandFairness:
+    """Jain's fairness index per band over the band's backlogged users (users
+    with live requests whose band it is): ``(sum x)^2 / (n * sum x^2)`` of
+    ``x`` = the output tokens dispatched to the user (charged minus refunds)
+    per second over the last ``BAND_FAIRNESS_WINDOW_NS``, divided by its
+    weight. 1 when all got the same per weight (one user: 1; all nothing: 1
+    too), 1/n when one user got everything.
+
+    The window: snapshots of the live users' counters, at most one per
+    ``BAND_SNAPSHOT_INTERVAL_NS``; a user is measured from the oldest kept
+    snapshot that holds it (the newest one at least the window old, so 10 to
+    11 s ago), a user live for less than that from the first snapshot that
+    found it live, as a rate. A user in no snapshot yet (live for under about
+    a second) is not measured; a band with nobody measured has no index."""
+
+    def __init__(self) -> None:
+        #: (when, user -> (tokens charged, refunds), cumulative), oldest first.
+        self._snapshots: deque[tuple[int, dict[str, tuple[int, int]]]] = deque()
+
+    def reset(self) -> None:
+        self._snapshots.clear()
+
+    def measure(self, bands: BandActivity, accounting: Accounting) -> dict[str, float]:
+        now = bands.now_ns
+        snapshots = self._snapshots
+        while len(snapshots) > 1 and snapshots[1][0] <= now - BAND_FAIRNESS_WINDOW_NS:
+            snapshots.popleft()
+        counters = accounting.by_user()
+        current: dict[str, tuple[int, int]] = {}
+        for user in bands.live:
+            entry = counters.get(user)
+            current[user] = (0, 0) if entry is None else (entry.charged, entry.refunds)
+        shares: dict[str, list[float]] = {}
+        for user, (charged, refunds) in current.items():
+            base = next(
+                ((at, seen[user]) for at, seen in snapshots if user in seen), None
+            )
+            if base is None or base[0] >= now:
+                continue
+            at, (charged_then, refunds_then) = base
+            if charged < charged_then:  # forgotten, then counted from zero
+                charged_then = refunds_then = 0
+            # A refund may settle after the build that saw its charge.
+            dispatched = max(0, charged - charged_then - (refunds - refunds_then))
+            rate = dispatched * 1e9 / (now - at)
+            shares.setdefault(bands.band_of(user), []).append(
+                rate / bands.weight_of(user)
+            )
+        if not snapshots or now - snapshots[-1][0] >= BAND_SNAPSHOT_INTERVAL_NS:
+            snapshots.append((now, current))
+        return {band: _jain(xs) for band, xs in shares.items()}
 
 
 class _NetDebts:
@@ -193,6 +297,10 @@ class PayloadBuilder:
         #: The store stats reported last and a copy of their values then.
         self._store_source: StoreStats | None = None
         self._last_store = StoreStats()
+        #: The band queue reported last and its cumulative waits then.
+        self._band_queue: BandQueue | None = None
+        self._last_band_wait: dict[str, int] = {}
+        self._band_fairness = _BandFairness()
         self._built_once = False
         #: Where the scheduler reports a failed build (the step's stats then go
         #: to the API process without a payload).
@@ -227,6 +335,7 @@ class PayloadBuilder:
         prompt_user_rates: Mapping[str, int] | None = None,
         default_prompt_rate: int | None = None,
         ceilings: Ceilings | None = None,
+        bands: BandActivity | None = None,
     ) -> dict[str, Any]:
         """The payload for this step: counter deltas since the previous ``build``
         (labelled users from ``user_rates``, the rest as ``OTHER_USER``), the
@@ -240,7 +349,10 @@ class PayloadBuilder:
         labelled users' prompt limits; ``default_prompt_rate`` 0 or None: no
         default prompt rate; with ``ceilings`` (read under the shared limiter's
         lock) the labelled users' ceilings, the default ceiling and, while any
-        holder has a ceiling and ``mode`` paces, whether borrowing was blocked.
+        holder has a ceiling and ``mode`` paces, whether borrowing was blocked;
+        with ``bands`` (read under the shared limiter's lock), while the policy
+        has more than one band, the tokens charged and the waits per band and,
+        while ``mode`` paces, the waiting requests and the fairness per band.
 
         Assumes ``accounting`` keeps labelled users' counters; if it forgot one
         and the user came back, the new counts are taken as a fresh start.
@@ -291,11 +403,16 @@ class PayloadBuilder:
 
         tiers, tier_of = self._tier_labels(limiter)
         team_rates, team_of = self._team_labels(teams)
-        tier_counters, team_counters = self._group_counters(
+        banded = bands is not None and bands.table.active
+        band_of = bands.band_of if bands is not None and banded else None
+        band_names = bands.table.names if bands is not None and banded else ()
+        tier_counters, team_counters, band_counters = self._group_counters(
             accounting,
             (
                 (tier_of, self._tiers.names, OTHER_TIER),
                 (team_of, team_rates, OTHER_TEAM),
+                # Every band is labelled (at most MAX_BANDS): no catch-all.
+                (band_of, band_names, ""),
             ),
             first,
         )
@@ -309,6 +426,11 @@ class PayloadBuilder:
                 if not row:
                     del counters[label]
         team_members, team_member_ns = self._member_part(teams, team_rates)
+        bands_part = None  # no bands: their series go
+        if bands is not None and banded:
+            bands_part = self._bands_part(bands, accounting, band_counters, mode)
+        else:
+            self._band_fairness.reset()
 
         # No snapshot means no control-plane news (not a reset to zero).
         control = self._last_control if control is None else _normalized(control)
@@ -358,6 +480,54 @@ class PayloadBuilder:
                 # Off, nobody is charged: the last step's gap would be stale.
                 "gap": fair_share.gap() if fair_share.enabled else 0.0,
             },
+            "bands": bands_part,
+        }
+
+    def _bands_part(
+        self,
+        bands: BandActivity,
+        accounting: Accounting,
+        counters: Mapping[str, Mapping[str, float]],
+        mode: Mode,
+    ) -> dict[str, Any]:
+        """The bands' entry: every band's name, the tokens charged to each
+        band's users (each user's events in its band now) and the waits counted
+        since the previous build (from zero for a queue not reported before),
+        and while ``mode`` paces the waiting requests at the last step start
+        (none while nobody has live requests) and the fairness per band."""
+        names = bands.table.names
+        queue = bands.queue
+        if queue is not self._band_queue:
+            self._band_queue, self._last_band_wait = queue, {}
+        wait_now = {} if queue is None else dict(queue.wait_ns)
+        before = self._last_band_wait
+        self._last_band_wait = wait_now
+        wait_ns: dict[str, int] = {}
+        for name in names:
+            now, then = wait_now.get(name, 0), before.get(name, 0)
+            if delta := (now - then if now >= then else now):
+                wait_ns[name] = int(delta)
+        waiting: dict[str, int] | None = None
+        fairness: dict[str, float] = {}
+        if mode is Mode.OFF:  # nothing charged: no fairness, no starving
+            self._band_fairness.reset()
+        else:
+            counted = None if queue is None else queue.queued
+            if queue is not None and not bands.live:
+                waiting = dict.fromkeys(names, 0)  # nothing can wait
+            elif counted is not None:
+                waiting = {name: int(counted.get(name, 0)) for name in names}
+            fairness = self._band_fairness.measure(bands, accounting)
+        return {
+            "names": list(names),
+            "tokens": {
+                band: int(charged)
+                for band, row in counters.items()
+                if (charged := row.get("charged"))
+            },
+            "wait_ns": wait_ns,
+            "waiting": waiting,
+            "fairness": fairness,
         }
 
     def _store_part(self, store: StoreStats) -> dict[str, Any]:
@@ -530,6 +700,16 @@ def _ceilings_part(
         "default_ceiling_limit": int(table.default_rate or 0) or None,
         "borrowing_blocked": blocked,
     }
+
+
+def _jain(shares: list[float]) -> float:
+    """Jain's fairness index of ``shares`` (non-negative, at least one): 1 for
+    equal shares (all zero too), 1/n for one share holding everything."""
+    squares = sum(x * x for x in shares)
+    if not squares:
+        return 1.0
+    total = sum(shares)
+    return min(1.0, total * total / (len(shares) * squares))
 
 
 def attach(scheduler_stats: SchedulerStats, payload: dict[str, Any]) -> None:

@@ -10,7 +10,9 @@ payload declares (a labelled user, tier or team) or the catch-all
 ``COUNTER_FIELDS``, and its values are non-negative: whole numbers, finite
 numbers for ``FLOAT_COUNTER_FIELDS`` (a net counter's too: the builder never
 sends a decrease). A team's throttled members (and member time) never exceed
-its streaming ones.
+its streaming ones. The bands' part names two to ``MAX_BANDS`` distinct bands,
+and every band it counts or measures is one of them; a fairness index is in
+(0, 1].
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine_ext.stats_payload import (
     STORE_RESULTS,
     STORE_TOKENS,
 )
+from pacing.bands import MAX_BANDS
 from pacing.modes import Mode, parse_mode
 from pacing.store_stats import LATENCY_BUCKETS_NS
 
@@ -96,6 +99,27 @@ class Payload:
     store: StorePart | None
     #: This engine's fair share; ``None`` when the engine sent none.
     fair_share: FairSharePart | None
+    #: The priority bands; ``None`` while the policy has no bands.
+    bands: BandsPart | None
+
+
+@dataclass(frozen=True)
+class BandsPart:
+    """A payload's priority bands: deltas since the previous payload, and
+    gauges of the engine that sent it."""
+
+    #: The bands in force, highest first (every band with series).
+    names: tuple[str, ...]
+    #: band -> output tokens charged to its users; only non-zero deltas.
+    tokens: Mapping[str, int]
+    #: band -> ns its requests waited in the waiting queue; non-zero deltas.
+    wait_ns: Mapping[str, int]
+    #: band -> startable requests waiting at the engine's last step start,
+    #: every band; ``None`` while pacing is off or nothing was counted.
+    waiting: Mapping[str, int] | None
+    #: band -> Jain's fairness index over its users with live requests, in
+    #: (0, 1]; only bands with a user measured.
+    fairness: Mapping[str, float]
 
 
 @dataclass(frozen=True)
@@ -220,6 +244,10 @@ def parse(raw: object) -> Payload:
         raise PayloadError("fair_share must be an object or null")
     fair_raw = raw["fair_share"]
     fair_share = None if fair_raw is None else _parse_fair_share(fair_raw)
+    if "bands" not in raw:
+        raise PayloadError("bands must be an object or null")
+    bands_raw = raw["bands"]
+    bands = None if bands_raw is None else _parse_bands(bands_raw)
     return Payload(
         users=users,
         limits=limits,
@@ -244,6 +272,60 @@ def parse(raw: object) -> Payload:
         team_member_ns=team_member_ns,
         store=store,
         fair_share=fair_share,
+        bands=bands,
+    )
+
+
+def _parse_bands(raw: object) -> BandsPart:
+    """Validates the bands' part of a payload (``PayloadBuilder._bands_part``)."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError("bands must be an object or null")
+    names = raw.get("names")
+    if (
+        not isinstance(names, list | tuple)
+        or not 2 <= len(names) <= MAX_BANDS
+        or not all(isinstance(name, str) and name for name in names)
+        or len(set(names)) != len(names)
+    ):
+        raise PayloadError(
+            f"bands.names must be a list of 2 to {MAX_BANDS} distinct band names"
+        )
+    known = set(names)
+
+    def counted(value: object, name: str) -> dict[str, int]:
+        counts = _str_int_map(value, name)
+        if not set(counts) <= known:
+            unknown = sorted(set(counts) - known)
+            raise PayloadError(f"{name} has bands {unknown} that are not in names")
+        return counts
+
+    tokens = counted(raw.get("tokens"), "bands.tokens")
+    wait_ns = counted(raw.get("wait_ns"), "bands.wait_ns")
+    if "waiting" not in raw:
+        raise PayloadError("bands.waiting must be an object or null")
+    waiting = raw["waiting"]
+    if waiting is not None:
+        waiting = counted(waiting, "bands.waiting")
+        if set(waiting) != known:
+            raise PayloadError("bands.waiting must count every band in names")
+    fairness_raw = raw.get("fairness")
+    if not isinstance(fairness_raw, Mapping):
+        raise PayloadError("bands.fairness must be an object")
+    fairness: dict[str, float] = {}
+    for band, value in fairness_raw.items():
+        where = f"bands.fairness[{band!r}]"
+        if band not in known:
+            raise PayloadError(f"bands.fairness has band {band!r} that is not in names")
+        index = _number(value, where)
+        if not 0 < index <= 1:
+            raise PayloadError(f"{where} must be in (0, 1], got {value!r}")
+        fairness[band] = index
+    return BandsPart(
+        names=tuple(names),
+        tokens=tokens,
+        wait_ns=wait_ns,
+        waiting=waiting,
+        fairness=fairness,
     )
 
 

@@ -246,6 +246,28 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             self._refused.append(request)
             return
         self._users.add(request_id, identity.user, paced=self.limiter.enabled)
+        objective = identity.objective
+        if objective is not None:
+            # The band the policy in force maps the gateway's objective to. One
+            # it maps to none (the policy may have changed since the gateway
+            # was set up) leaves the request in its user's band, counted and
+            # logged once per name: an unknown name never moves a request.
+            shared = self.output_rate_shared
+            with shared.lock:
+                band = shared.bands.objectives.get(objective)
+                first = band is None and self.accounting.record_unknown_objective(
+                    identity.user, objective
+                )
+            if band is not None:
+                self._steps.bands.request_band[request_id] = band
+            elif first:
+                logger.warning(
+                    "request %s names objective %r, which the policy in force "
+                    "maps to no band: it stays in its user's band (logged once "
+                    "per objective)",
+                    request_id,
+                    objective,
+                )
         self._steps.prompt.add(request)
 
     def _free_request(
@@ -425,6 +447,20 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                             self.output_rate_shared.prompt.limiter.default_rate
                         ),
                         ceilings=self.output_rate_shared.ceilings,
+                        bands=payload_builder.BandActivity(
+                            table=self.output_rate_shared.bands,
+                            tier_of=self.limiter.tier_of,
+                            team_of=self.output_rate_shared.teams.team_of,
+                            weight_of=lambda user: (
+                                self.output_rate_shared.fair_share.weights.of(
+                                    user, self.limiter.tier_of(user)
+                                )
+                            ),
+                            live=self._users.live,
+                            now_ns=now_ns,
+                            # The steps' BandStats (engine_ext.scheduling.band_stats).
+                            queue=self._steps.band_stats,
+                        ),
                     )
                 payload_builder.attach(stats, payload)
             except Exception:

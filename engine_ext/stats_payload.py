@@ -64,6 +64,17 @@ above the highest it reached before (0 while below): the exported count is
 the highest the net count reached, never less than it, above it only by
 tokens refunded and not yet borrowed again.
 
+Bands: while the policy has more than one band (``pacing.bands``), the payload
+carries the bands' names (at most ``MAX_BANDS``: the label is bounded by the
+policy), the output tokens charged per band (each user's tokens in the band it
+is in when the payload is built, like a tier's), the seconds requests waited in
+the waiting queue per band (counted when each starts or ends, in the band its
+request was in: ``engine_ext.scheduling.band_stats``) as deltas, and two gauges
+of the engine that sent them, while pacing is on: the startable requests
+waiting per band at its last step start, and Jain's fairness index per band over
+the band's users with live requests (``engine_ext.payload_builder``). Without
+bands the entry is ``None`` and no band series exist.
+
 Fair share: with the ledger passed (``pacing.fair_share``), the payload carries
 whether fair share is on and the service gap among the users backlogged at the
 last step, both gauges of this engine (fair share is per engine). Weighted
@@ -88,7 +99,7 @@ from pacing.accounting import UserCounters
 #: Key of the payload inside ``SchedulerStats.kv_connector_stats``.
 PAYLOAD_KEY = "output_rate"
 #: Bumped whenever the payload's shape changes; a mismatch is rejected.
-PAYLOAD_VERSION = 7
+PAYLOAD_VERSION = 8
 #: The ``user`` label value of every user without a label of their own.
 OTHER_USER = "__other__"
 #: The ``tier`` label value of every tier without a label of its own.

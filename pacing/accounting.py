@@ -6,6 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 
+#: The most distinct unknown objective names ``Accounting`` remembers (to log
+#: each once): the names come from requests, so memory must not grow with them.
+MAX_UNKNOWN_OBJECTIVE_NAMES = 1024
+
 
 @dataclass
 class UserCounters:
@@ -51,6 +55,14 @@ class Accounting:
     def __init__(self) -> None:
         self.total = UserCounters()
         self._users: dict[str, UserCounters] = {}
+        #: Per user, then in total: requests whose gateway objective the
+        #: policy in force maps to no band (they stayed in their user's band).
+        #: Kept beside ``UserCounters``, not in it: each of its fields is
+        #: exported as a metric (``engine_ext.metrics``), this one not yet.
+        self.unknown_objectives: dict[str, int] = {}
+        self.unknown_objectives_total = 0
+        #: Unknown objective names seen, at most ``MAX_UNKNOWN_OBJECTIVE_NAMES``.
+        self._unknown_objective_names: set[str] = set()
 
     def of(self, user: str) -> UserCounters:
         """A copy of ``user``'s counters (zeros for an unknown user)."""
@@ -81,6 +93,21 @@ class Accounting:
             counters.charged += count
         self.total.charged += sum(charged.values())
 
+    def record_unknown_objective(self, user: str, objective: str) -> bool:
+        """Counts a request of ``user`` whose objective the policy maps to no
+        band; whether ``objective`` is a name not seen before (to log once),
+        up to ``MAX_UNKNOWN_OBJECTIVE_NAMES`` names (False beyond)."""
+        self.unknown_objectives[user] = self.unknown_objectives.get(user, 0) + 1
+        self.unknown_objectives_total += 1
+        names = self._unknown_objective_names
+        if objective in names or len(names) >= MAX_UNKNOWN_OBJECTIVE_NAMES:
+            return False
+        names.add(objective)
+        return True
+
     def forget(self, keep: set[str]) -> None:
         """Drops per-user entries of users not in ``keep``."""
         self._users = {u: c for u, c in self._users.items() if u in keep}
+        self.unknown_objectives = {
+            u: n for u, n in self.unknown_objectives.items() if u in keep
+        }

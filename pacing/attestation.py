@@ -3,14 +3,15 @@
 With a gateway source (``--output-rate-user-source header:…`` or
 ``openai-user``) or a required user (``--output-rate-require-user``), the guard
 writes beside ``output_rate_user`` a fresh random request binding and an
-attestation: an HMAC-SHA256 of the id, the team, the binding and the issue time
-under a key that exists only in the server's own processes. The scheduler
-charges a request to its named user only if the attestation matches and is
-fresh, or belongs to a chain of engine requests still alive (``RequestIdentity``:
-the turns of one Responses tool loop share one request's extra args); a request
-that reached the engine any other way (a route, front end or vLLM version the
-guard does not cover) is charged to ``__anonymous__``, or refused when a user is
-required. So identity fails closed by construction, not by a list of paths.
+attestation: an HMAC-SHA256 of the id, the team, the objective, the binding and
+the issue time under a key that exists only in the server's own processes. The
+scheduler charges a request to its named user only if the attestation matches
+and is fresh, or belongs to a chain of engine requests still alive
+(``RequestIdentity``: the turns of one Responses tool loop share one request's
+extra args); a request that reached the engine any other way (a route, front
+end or vLLM version the guard does not cover) is charged to ``__anonymous__``,
+or refused when a user is required. So identity fails closed by construction,
+not by a list of paths.
 
 The key is generated at start-up in the process the operator started and
 handed to the processes vLLM spawns (API servers, engine cores) through the
@@ -32,6 +33,7 @@ from typing import Any, Final, NamedTuple
 
 from pacing.identity import (
     ANONYMOUS_USER,
+    OBJECTIVE_FIELD,
     TEAM_FIELD,
     USER_FIELD,
     XARGS_SOURCE,
@@ -119,29 +121,44 @@ def new_binding() -> str:
 
 
 def attest(
-    key: bytes, user: str, issued_at: int, *, binding: str, team: str | None = None
+    key: bytes,
+    user: str,
+    issued_at: int,
+    *,
+    binding: str,
+    team: str | None = None,
+    objective: str | None = None,
 ) -> str:
     """The attestation under ``key`` that the guard checked ``user`` (and
-    ``team``, when the gateway named one) for the HTTP request ``binding``
-    names, issued at ``issued_at`` (Unix seconds): ``"<issued_at>.<hex HMAC>"``.
+    ``team`` and ``objective``, when the gateway named them) for the HTTP
+    request ``binding`` names, issued at ``issued_at`` (Unix seconds):
+    ``"<issued_at>.<hex HMAC>"``.
 
     The MAC covers a list of fields, each written as its UTF-8 length in
     bytes, ``:`` and its bytes, so that no two lists share a message: no field
-    can run into the next, and no team is one field fewer, never a string.
+    can run into the next. After the user come the team, then the objective,
+    each only while it or a later one is named; a team left out before an
+    objective is an empty field, which no valid id is. So no team is one field
+    fewer (or an empty one), never a string, and an attestation without an
+    objective is the one it was before objectives were attested.
     """
     fields = [_DOMAIN, str(issued_at).encode(), binding.encode(), user.encode()]
-    if team is not None:
-        fields.append(team.encode())
+    if team is not None or objective is not None:
+        fields.append(b"" if team is None else team.encode())
+    if objective is not None:
+        fields.append(objective.encode())
     message = b"".join(b"%d:%b" % (len(field), field) for field in fields)
     return f"{issued_at}.{hmac.new(key, message, hashlib.sha256).hexdigest()}"
 
 
 class Identity(NamedTuple):
-    """Who a request is charged to, and the team its gateway named (None:
-    the membership table decides)."""
+    """Who a request is charged to, the team its gateway named (None: the
+    membership table decides) and the objective it named (None: the request
+    is in its user's band)."""
 
     user: str
     team: str | None = None
+    objective: str | None = None
 
 
 class Attestation(NamedTuple):
@@ -155,9 +172,9 @@ class Attestation(NamedTuple):
 
 def verify(key: bytes, extra_args: Mapping[str, Any] | None) -> Attestation | None:
     """What the attestation in ``extra_args`` vouches for if it matches their
-    user, team and binding under ``key`` and those are what the guard writes
-    (ids that pass ``validate_user``, a binding of ``new_binding``'s form);
-    else None. Its age is the caller's to judge."""
+    user, team, objective and binding under ``key`` and those are what the
+    guard writes (ids that pass ``validate_user``, a binding of
+    ``new_binding``'s form); else None. Its age is the caller's to judge."""
     if not extra_args:
         return None
     tag = extra_args.get(ATTESTATION_FIELD)
@@ -167,20 +184,25 @@ def verify(key: bytes, extra_args: Mapping[str, Any] | None) -> Attestation | No
     if not _BINDING.fullmatch(binding):
         return None
     team = extra_args.get(TEAM_FIELD)
+    objective = extra_args.get(OBJECTIVE_FIELD)
     try:
         user = validate_user(extra_args.get(USER_FIELD))
         if team is not None:
             team = validate_user(team)
+        if objective is not None:
+            objective = validate_user(objective)
     except ValueError:
         return None
     issued_text, _, _ = tag.partition(".")
     if not issued_text.isascii() or not issued_text.isdigit() or len(issued_text) > 12:
         return None
     issued_at = int(issued_text)
-    expected = attest(key, user, issued_at, binding=binding, team=team).encode()
+    expected = attest(
+        key, user, issued_at, binding=binding, team=team, objective=objective
+    ).encode()
     if not hmac.compare_digest(expected, tag.encode("utf-8", "replace")):
         return None
-    return Attestation(Identity(user, team), binding, issued_at)
+    return Attestation(Identity(user, team, objective), binding, issued_at)
 
 
 #: Unattested or refused requests are logged at most this often (ns): a client
@@ -241,9 +263,9 @@ class RequestIdentity:
     def identify(
         self, request_id: str, extra_args: Mapping[str, Any] | None
     ) -> Identity | None:
-        """The user ``request_id`` is charged to, and the team its gateway
-        named (attested with the user; never in the unattested mode); None
-        when the request is refused."""
+        """The user ``request_id`` is charged to, and the team and objective
+        its gateway named (attested with the user; never in the unattested
+        mode); None when the request is refused."""
         if self._key is None:
             try:
                 return Identity(user_from_extra_args(extra_args))

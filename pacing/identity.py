@@ -21,6 +21,17 @@ USER_FIELD = "output_rate_user"
 #: Key beside ``USER_FIELD`` for the team a gateway named (``TeamSource``);
 #: only the guard writes it, and only with a team header source.
 TEAM_FIELD = "output_rate_team"
+#: Key beside ``USER_FIELD`` for the objective a gateway named (``OBJECTIVE_HEADERS``);
+#: only the guard writes it, and only with a gateway user source. The engine
+#: maps it to a priority band through the policy's ``objectives``.
+OBJECTIVE_FIELD = "output_rate_objective"
+#: The request headers of the Gateway API Inference Extension / llm-d that name
+#: a request's objective (an ``InferenceObjective``): the current name first,
+#: then its deprecated one. Sent both, they must agree.
+OBJECTIVE_HEADERS: Final = (
+    "x-llm-d-inference-objective",
+    "x-gateway-inference-objective",
+)
 #: The shared budget of requests that name no user.
 ANONYMOUS_USER = "__anonymous__"
 #: Longest accepted user id, in UTF-8 bytes (bounds memory per tracked user).

@@ -5,8 +5,9 @@
 # smoothness, limiter) and the article's measurement, with async scheduling on
 # and off, speculative decoding with async scheduling, and prompt budgets'
 # flood (a second user's stream beside a flood of distinct long prompts,
-# unlimited vs held to 1,000 prompt tok/s), on the locally generated tiny
-# model. Installs the GPU wheel (vllm 0.32.x) in .venv-gpu.
+# unlimited vs held to 1,000 prompt tok/s) and classes of service end to end
+# (ceilings, bands), on the locally generated tiny model. Installs the GPU
+# wheel (vllm 0.32.x) in .venv-gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L
@@ -39,6 +40,11 @@ OUTPUT_RATE_EAGER_SERVERS=0 "$VENV/bin/python" -m pytest -q tests/e2e/test_e2e_s
 # tok/s (benchmarks.prompt_budgets part 3: one server, about a minute).
 "$VENV/bin/python" -m benchmarks.prompt_budgets --only flood --flood-cycles 3 \
   --json "$out/prompt-flood.json" | tee "$out/prompt-flood.txt"
+# Classes of service (issue 42): a ceiling borrowed alone and given back to
+# 12 saturating streams, an interactive band ahead of a saturated batch band,
+# on four slots (async scheduling: the GPU wheel's default).
+OUTPUT_RATE_EAGER_SERVERS=0 "$VENV/bin/python" -m pytest -q -s \
+  tests/e2e/test_e2e_classes_of_service.py | tee "$out/classes-of-service.txt"
 # The async runs must have used the async variant of the scheduler.
 python3 -c "import json,sys; a=json.load(open('$out/article-async.json'))['scheduler']; \
 c=json.load(open('$out/compare-async.json'))['schedulers']['paced']; \

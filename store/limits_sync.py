@@ -54,11 +54,13 @@ fair-share ledger's (``apply_policy``: the switch and the weights; an engine
 that cannot run fair share keeps it off), then makes the policy the one in
 force (``SharedLimiter.policy``, which applies the prompt rates: users',
 tiers', teams' and the default's ``prompt_tokens_per_second``, each user's
-and team's prompt debt kept, and the ceilings: users', tiers' and the
+and team's prompt debt kept, the ceilings: users', tiers' and the
 default's ``ceiling_tokens_per_second``, both carried under the document's
-``attributes``), and ends the engine's idle wait. A stored table without a
-default output rate keeps the engine's (pacing off cannot be applied), never
-its default prompt rate or ceiling: those are the store's. An equal table (a
+``attributes``, and the priority bands: the document's ``bands`` and
+``objectives``, each holder's ``band`` under ``attributes``), and ends the
+engine's idle wait. A stored table without a default output rate keeps the
+engine's (pacing off cannot be applied), never its default prompt rate,
+ceiling or band: those are the store's. An equal table (a
 seed read back, a mode-only change) is not applied again. Whether the table
 changed (its etag moves, the version is counted and logged) is one comparison
 of the policy in force with the one read (``pacing.policy.model.Policy``:
@@ -278,7 +280,8 @@ class LimitsSync:
         if policy.default_rate is None:
             # The limiter cannot drop its default (pacing off), as in the
             # control plane's own whole-table replace; the default's other
-            # attributes (its prompt rate, its ceiling) are the store's.
+            # attributes (its prompt rate, its ceiling, its band) are the
+            # store's.
             policy = dataclasses.replace(
                 policy,
                 default=dataclasses.replace(

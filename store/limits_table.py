@@ -16,8 +16,11 @@ write and read it: the default rate, the ``pacing.limits.LimitTable`` pieces,
 the pacing mode (the fleet's kill switch is one switch), the fair-share switch
 and weights (the counters stay each engine's) and the teams. The fair-share
 keys are written only when fair share is on or there is a weight, the teams'
-only when there is a team, so documents of fleets that use neither stay as
-they were. An attribute the pieces do not carry (``pacing.policy.flat.CARRIED``)
+only when there is a team, the priority bands (``bands``, highest first) and
+the gateway's objectives (``objectives``: objective -> band) only when there
+are some, so documents of fleets that use none of them stay as they were. An
+attribute the pieces do not carry (``pacing.policy.flat.CARRIED``: a holder's
+``band`` among them)
 is written under ``attributes``, in the policy document's object form, only
 when a holder sets one: engines of earlier versions refuse such a document
 (an unknown field) and keep their table, so set such an attribute once every
@@ -33,7 +36,14 @@ import json
 from typing import Any, Final
 
 from pacing.modes import Mode
-from pacing.policy.document import WEIGHT_KEYS, check_keys, check_object, parse
+from pacing.policy.document import (
+    BANDS_KEY,
+    OBJECTIVES_KEY,
+    WEIGHT_KEYS,
+    check_keys,
+    check_object,
+    parse,
+)
 from pacing.policy.errors import PolicyError
 from pacing.policy.flat import (
     ATTRIBUTES_KEY,
@@ -76,6 +86,9 @@ _FIELDS = (
 _POLICY_FIELDS = ("fair_share", "weights")
 #: The teams (``pacing.teams``), written only when there is a team.
 _TEAM_FIELDS = ("team_rates", "team_members")
+#: The priority bands and the objectives (``pacing.bands``), written only when
+#: set: the policy document's own keys.
+_BAND_FIELDS = (BANDS_KEY, OBJECTIVES_KEY)
 
 
 def encode(policy: Policy, carried: tuple[str, ...] = CARRIED) -> str:
@@ -110,6 +123,10 @@ def encode(policy: Policy, carried: tuple[str, ...] = CARRIED) -> str:
     if teams:
         document["team_rates"] = teams.rates
         document["team_members"] = teams.memberships
+    if policy.bands:
+        document[BANDS_KEY] = list(policy.bands)
+    if policy.objectives:
+        document[OBJECTIVES_KEY] = dict(policy.objectives)
     if beyond := attributes_of(policy, carried):
         document[ATTRIBUTES_KEY] = beyond
     return json.dumps(document, sort_keys=True, ensure_ascii=False)
@@ -129,7 +146,8 @@ def decode(document: str | bytes) -> Policy:
         raise ValueError("limits document must be a JSON object")
     missing = [name for name in _FIELDS if name not in raw]
     unknown = sorted(
-        set(raw) - {*_FIELDS, *_POLICY_FIELDS, *_TEAM_FIELDS, ATTRIBUTES_KEY}
+        set(raw)
+        - {*_FIELDS, *_POLICY_FIELDS, *_TEAM_FIELDS, *_BAND_FIELDS, ATTRIBUTES_KEY}
     )
     if missing or unknown:
         raise ValueError(

@@ -52,6 +52,7 @@ def entry(
     team=None,
     prompt_rate=None,
     ceiling=None,
+    band=None,
 ) -> dict:
     """One user's entry as ``--json`` prints it."""
     return {
@@ -62,5 +63,6 @@ def entry(
         "weight": weight,
         "prompt_tokens_per_second": prompt_rate,
         "ceiling_tokens_per_second": ceiling,
+        "band": band,
         "team": team,
     }

@@ -93,12 +93,20 @@ def _seconds(low: float, high: float) -> Callable[[str], float]:
 
 
 def _by_rule(message: str, field: str) -> Callable[[str], Any]:
-    """An argparse type: a value of the attribute ``field``, a whole number or a
-    number as the message named ``message`` (a kind's title, ``DefaultLimit``)
-    holds it, checked in the words of its rule (``pacing.policy.model.RULES``:
-    ``validate_rate``, ``validate_weight``)."""
+    """An argparse type: a value of the attribute ``field``, a whole number, a
+    number or a name as the message named ``message`` (a kind's title,
+    ``DefaultLimit``) holds it, checked in the words of its rule
+    (``pacing.policy.model.RULES``: ``validate_rate``, ``validate_weight``,
+    ``validate_band``)."""
     rule = RULES[field]
-    number = float if _field(message, field).cpp_type in _REALS else int
+    cpp_type = _field(message, field).cpp_type
+    number: Callable[[str], object] = (
+        str
+        if cpp_type == FieldDescriptor.CPPTYPE_STRING
+        else float
+        if cpp_type in _REALS
+        else int
+    )
 
     def parse(raw: str) -> Any:
         try:
@@ -276,11 +284,37 @@ _HELP: Mapping[tuple[str, str, str], str | None] = {
     ("default", "ceiling_tokens_per_second", "clear"): (
         "remove the default ceiling (such users are held to their rate)"
     ),
+    ("user", "band", "update"): (
+        "the user's own priority band (one of the table's bands)"
+    ),
+    ("user", "band", "clear"): (
+        "remove the user's own band (its tier's, its team's or the default's applies)"
+    ),
+    ("tier", "band", "create"): (
+        "priority band (one of the table's bands) of members without one of their own"
+    ),
+    ("tier", "band", "update"): "priority band (one of the table's bands) of members",
+    ("tier", "band", "clear"): (
+        "remove the band (the members' team's or the default's applies)"
+    ),
+    ("team", "band", "create"): (
+        "priority band (one of the table's bands) of members without one of "
+        "their own or their tier's"
+    ),
+    ("team", "band", "update"): "priority band (one of the table's bands) of members",
+    ("team", "band", "clear"): "remove the band (the default's applies to members)",
+    ("default", "band", "update"): (
+        "priority band of users without one of their own, their tier's or their "
+        "team's (one of the table's bands; required once there are bands)"
+    ),
+    ("default", "band", "clear"): (
+        "remove the default band (only while the table has no bands)"
+    ),
 }
 #: The default's message (``update-default``'s options are its attributes).
 _DEFAULT_MESSAGE = "DefaultLimit"
 #: Option metavars other than ``N``.
-_METAVARS = {"weight": "W"}
+_METAVARS = {"weight": "W", "band": "NAME"}
 
 
 def _help(holder: str, field: str, role: str) -> str | None:
@@ -354,7 +388,7 @@ def _add_create_argument(sub: argparse.ArgumentParser, kind: Kind, field: str) -
             spelling.option(field), dest=field, action="store_true", help=help_text
         )
     else:
-        _add_number_option(sub, kind.title, field, help_text, required=required)
+        _add_value_option(sub, kind.title, field, help_text, required=required)
 
 
 def _add_update_options(
@@ -392,12 +426,12 @@ def _add_update_arguments(sub: argparse.ArgumentParser, kind: Kind, field: str) 
             help=help_text,
         )
     else:
-        _add_number_option(group, kind.title, field, help_text)
+        _add_value_option(group, kind.title, field, help_text)
     if clearable:
         _add_clear_option(group, kind.title, kind.holder, field)
 
 
-def _add_number_option(
+def _add_value_option(
     group: argparse._ActionsContainer,
     message: str,
     field: str,
@@ -405,8 +439,8 @@ def _add_number_option(
     *,
     required: bool = False,
 ) -> None:
-    """``field``'s option, a number checked by its rule (``message``: the
-    proto message that holds it)."""
+    """``field``'s option, a number or a name checked by its rule
+    (``message``: the proto message that holds it)."""
     group.add_argument(
         spelling.option(field),
         dest=field,
@@ -438,7 +472,7 @@ def _add_default_options(sub: argparse.ArgumentParser) -> None:
         clearable = spelling.clearable_default(field)
         group = sub.add_mutually_exclusive_group() if clearable else sub
         help_text = _help("default", field, "update")
-        _add_number_option(group, _DEFAULT_MESSAGE, field, help_text)
+        _add_value_option(group, _DEFAULT_MESSAGE, field, help_text)
         if clearable:
             _add_clear_option(group, _DEFAULT_MESSAGE, "default", field)
 

@@ -1,5 +1,6 @@
 """``output-rate-ctl export`` and ``import``: the whole limits table (default,
-user entries, tiers, teams) to and from a JSON or YAML file.
+user entries, tiers, teams, bands and objectives) to and from a JSON or YAML
+file.
 
 Invariant: an import replaces the table in one ``ReplaceLimitsTable`` call,
 guarded by the file's etag (for a file with neither etag nor default, by the
@@ -87,6 +88,11 @@ def import_table(client: Client, args: argparse.Namespace, out: TextIO) -> int:
                 default_tokens_per_second=default.tokens_per_second,
                 etag=etag,
                 default=default,
+                bands=doc.policy.bands,
+                objectives=[
+                    _pb2.Objective(name=name, band=band)
+                    for name, band in sorted(doc.policy.objectives.items())
+                ],
                 **wire,
             )
         ),
@@ -134,7 +140,13 @@ def _policy_of(table: _pb2.LimitsTable) -> Policy:
         attributes = ATTRIBUTES["default"]
         values = {name: getattr(table.default, name) for name in attributes}
         default = attributes_unwire(values, attributes)
-    return Policy(default=default, groups=groups, users=users)
+    return Policy(
+        default=default,
+        groups=groups,
+        users=users,
+        bands=tuple(table.bands),
+        objectives={o.name: o.band for o in table.objectives},
+    )
 
 
 def _wire_of(policy: Policy, kind: Kind) -> list[tuple[str, dict[str, object]]]:

@@ -35,6 +35,9 @@ _STATE_COLUMNS = (
     ("THROTTLED", "throttled_requests"),
     ("LATE", "engine_late_s"),
 )
+#: Added to the states' table while there are bands (every state then names
+#: the band that applies to its user).
+_BAND_COLUMNS = (("BAND", "band"),)
 #: Added to the states' table when any state shows a ceiling (one that
 #: applies, or tokens borrowed): the output rate borrowed up to, the tokens
 #: borrowed, whether the engine was spare for the user at its last step.
@@ -206,6 +209,8 @@ def state_dict(state: _pb2.UserState) -> dict[str, Any]:
         "ceiling_tokens_per_second": state.ceiling_tokens_per_second,
         "borrowed_tokens": state.borrowed_tokens,
         "may_borrow": state.may_borrow,
+        # None: no bands.
+        "band": state.band or None,
     }
 
 
@@ -254,10 +259,11 @@ def emit_mode(out: TextIO, args: argparse.Namespace, mode: _pb2.PacingMode) -> N
 def emit_default(
     out: TextIO, args: argparse.Namespace, default: _pb2.DefaultLimit
 ) -> None:
-    """The default's rate, prompt rate and ceiling (``None`` in JSON, no line
-    in text: none)."""
+    """The default's rate, prompt rate, ceiling and band (``None`` in JSON, no
+    line in text: none)."""
     prompt = default.prompt_tokens_per_second
     ceiling = default.ceiling_tokens_per_second
+    band = default.band
     if args.json:
         print_json(
             out,
@@ -265,6 +271,7 @@ def emit_default(
                 "default_tokens_per_second": default.tokens_per_second,
                 "default_prompt_tokens_per_second": prompt or None,
                 "default_ceiling_tokens_per_second": ceiling or None,
+                "default_band": band or None,
             },
         )
     else:
@@ -273,19 +280,24 @@ def emit_default(
             print(f"default prompt rate: {prompt} prompt tokens/s", file=out)
         if ceiling:
             print(f"default ceiling: {ceiling} tokens/s", file=out)
+        if band:
+            print(f"default band: {band}", file=out)
 
 
 def print_states(out: TextIO, mode: str, states: list[dict[str, Any]]) -> None:
     """States (``state_dict``) as a table under a line with the pacing mode;
-    with the ceiling's columns when any state shows one, the prompt budget's
-    when any state shows one, the fair-share columns when fair share is on,
-    and the store's when any state has a store view."""
+    with the band's column while there are bands (any state names one), the
+    ceiling's columns when any state shows one, the prompt budget's when any
+    state shows one, the fair-share columns when fair share is on, and the
+    store's when any state has a store view."""
     fair_share = any(state["fair_share"] for state in states)
     print(f"pacing mode: {mode}{', fair share on' if fair_share else ''}", file=out)
+    bands = any(state["band"] for state in states)
     ceiling = any(state[key] for state in states for key in _CEILING_SHOWN_BY)
     prompt = any(state[key] for state in states for key in _PROMPT_SHOWN_BY)
     columns = (
         _STATE_COLUMNS
+        + (_BAND_COLUMNS if bands else ())
         + (_CEILING_COLUMNS if ceiling else ())
         + (_PROMPT_COLUMNS if prompt else ())
         + (_FAIR_SHARE_COLUMNS if fair_share else ())

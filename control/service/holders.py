@@ -3,7 +3,8 @@ tiers, teams): get, list, create, update, delete, the same functions for each.
 
 A request carries each field of its kind as the wire does: 0, false or "" for
 not set. An attribute set is checked by the policy's rule for it
-(``pacing.policy.model.RULES``), a membership names a group that must exist. A
+(``pacing.policy.model.RULES``), a band against the policy's bands, a
+membership names a group that must exist. A
 holder exists while it has one of the fields of ``Kind.exists_with``: an
 update that leaves none removes it, one that would leave only other fields
 (a tier's weight) is refused. A change builds the new policy and commits it
@@ -40,7 +41,7 @@ from control.resources import (
 from control.service.commits import TableCommits, TeamsApply
 from control.service.ordering import page_size, resume
 from control.service.write_requests import mask_fields
-from control.table import MAX_EXPLICIT_LIMITS, MAX_TIERS, shown
+from control.table import MAX_EXPLICIT_LIMITS, MAX_TIERS, check_band, shown
 from pacing.policy.errors import PolicyError, unknown_group
 from pacing.policy.model import RULES, GroupKind, Limits, Policy, User
 
@@ -98,6 +99,7 @@ def create(
                 f"{shown(kind.name(holder_id))} exists; use Update{kind.title}"
             )
         _check_room(policy, kind)
+        _check_band(policy, kind, changes)
         new = _merged(kind, (Limits(), {}), changes)
         return _commit(commits, policy, kind, holder_id, new)
 
@@ -130,6 +132,7 @@ def update(
                 raise not_found(kind, holder_id)
             _check_room(policy, kind)
         check_etag(etag, "" if current is None else current.etag, name)
+        _check_band(policy, kind, changes)
         old: Value = (Limits(), {}) if current is None else _value(current)
         new = _merged(kind, old, changes)
         if not _exists(kind, new):
@@ -197,6 +200,14 @@ def _checked(attribute: str, value: object, where: str) -> object:
         return RULES[attribute](value, field=where)
     except PolicyError as error:
         raise InvalidArgument(str(error)) from None
+
+
+def _check_band(policy: Policy, kind: Kind, changes: Mapping[str, object]) -> None:
+    """InvalidArgument naming the field when the band a change sets is not
+    one of ``policy``'s bands (none: no band may be set)."""
+    band = changes.get("band")
+    if band is not None:
+        check_band(str(band), policy.bands, field=f"{kind.resource}.band")
 
 
 def _merged(kind: Kind, old: Value, changes: Mapping[str, object]) -> Value:

@@ -214,13 +214,23 @@ class LimitsService:
         holders: Mapping[Kind, Iterable[HolderSpec]],
         etag: str = "",
         default: Mapping[str, object] | None = None,
+        *,
+        bands: Sequence[str] = (),
+        objectives: Sequence[tuple[str, str]] = (),
     ) -> LimitsTable:
         """Replaces the default (``default``: each of its attributes, as the
-        wire gives them) and every holder of every kind, weights included, at
-        once (not the mode nor the fair-share switch); Aborted when ``etag``
-        is not empty and not the current etag."""
+        wire gives them), every holder of every kind, weights included, the
+        bands and the objectives (name, band: in the request's order) at once
+        (not the mode nor the fair-share switch); Aborted when ``etag`` is not
+        empty and not the current etag."""
         return table_writes.replace_limits_table(
-            self._commits, default_tokens_per_second, holders, etag, default
+            self._commits,
+            default_tokens_per_second,
+            holders,
+            etag,
+            default,
+            bands=bands,
+            objectives=objectives,
         )
 
     def reload(self, read: Callable[[], Policy | None]) -> bool:

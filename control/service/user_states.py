@@ -165,9 +165,9 @@ def _states_in_holds(shared: SharedLimiter, users: Sequence[str]) -> list[UserSt
 
 
 def _users(shared: SharedLimiter) -> list[str]:
-    """The users the limiter knows: with an entry (a weight, a prompt rate or
-    a ceiling alone included), live requests or counters. Holds the lock only
-    to copy the names (C-level copies); merges them off the lock."""
+    """The users the limiter knows: with an entry (a weight, a prompt rate, a
+    ceiling or a band alone included), live requests or counters. Holds the
+    lock only to copy the names (C-level copies); merges them off the lock."""
     limiter = shared.limiter
     with shared.lock:
         reading = shared.read()
@@ -180,6 +180,7 @@ def _users(shared: SharedLimiter) -> list[str]:
             [*shared.fair_share.weights.users],
             [*shared.prompt.limiter.user_rates],
             [*shared.ceilings.table.user_rates],
+            [*shared.bands.users],
         ]
     return list(set().union(*copies))
 
@@ -194,6 +195,7 @@ def _knows(shared: SharedLimiter, reading: Reading, user: str) -> bool:
         or user in shared.fair_share.weights.users
         or shared.prompt.limiter.limit_source(user).kind == "user"
         or shared.ceilings.table.limit_source(user).kind == "user"
+        or user in shared.bands.users
     )
 
 
@@ -201,8 +203,8 @@ def _states(
     shared: SharedLimiter, reading: Reading, users: Iterable[str]
 ) -> list[UserState]:
     """Each of ``users``' state with its limit's source, its standing under
-    fair share, its ceiling and, with a global store, its view of the store.
-    Requires shared.lock."""
+    fair share, its ceiling, its band and, with a global store, its view of
+    the store. Requires shared.lock."""
     limiter = shared.limiter
     # Builds the borrowing budget while any holder has a ceiling.
     views = _store_views(shared.budget)
@@ -210,6 +212,8 @@ def _states(
     borrowing = ceilings.borrowing
     ledger = shared.fair_share
     floor = _backlogged_floor(ledger)
+    bands = shared.bands
+    teams = shared.teams
     states = []
     for user in users:
         counters = reading.counters.get(user)
@@ -241,6 +245,7 @@ def _states(
                     may_borrow=borrowing is not None and borrowing.spare_for(user),
                 ),
                 store=None if views is None else views.store_view(user, reading.now_ns),
+                band=bands.name_of(bands.index_of(user, tier, teams.team_of(user))),
             )
         )
     return states

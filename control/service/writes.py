@@ -26,6 +26,7 @@ from control.service.write_requests import (
     mask_fields,
     set_fields,
 )
+from control.table import check_default_band
 from pacing.modes import Mode
 from pacing.policy.errors import PolicyError
 from pacing.policy.model import ATTRIBUTES, RULES, Limits
@@ -39,7 +40,8 @@ def update_default(
 ) -> Limits:
     """Changes the default's attributes that ``update_mask`` selects (empty:
     those set, else the rate); returns the default. Its rate cannot be cleared
-    (pacing stays on)."""
+    (pacing stays on), nor its band while there are bands; a band set is one
+    of the policy's bands."""
     names.check_singleton(name, names.DEFAULT_LIMIT, field="default_limit.name")
     attributes = ATTRIBUTES["default"]
     given = {attribute for attribute in attributes if values.get(attribute)}
@@ -64,6 +66,8 @@ def update_default(
             default.check("default_limit")
         except PolicyError as error:
             raise InvalidArgument(str(error)) from None
+        if "band" in fields:
+            check_default_band(default.band, current.bands, field="default_limit.band")
         rate = default.tokens_per_second
         commits.commit(
             dataclasses.replace(current, default=default),

@@ -20,6 +20,11 @@ wait:
   request start, and a lower-band request is preempted at most once per
   ``MIN_RUN_TOKENS`` of its output.
 
+Only FCFS scheduling: under PRIORITY, vLLM keeps the waiting queue as a heap by
+request priority, so bands refuse to start (``PRIORITY_REFUSAL``) and a table
+with bands applied later orders nothing. vLLM takes a per-request priority
+only under PRIORITY, so no request priority is mapped to a band.
+
 Invariant: no request yields to one of its own or a lower band.
 """
 
@@ -40,6 +45,12 @@ if TYPE_CHECKING:
 #: Output tokens a request samples after it resumes before it may yield its
 #: slot to a higher band again.
 MIN_RUN_TOKENS = 16
+#: Why bands do not run under PRIORITY scheduling.
+PRIORITY_REFUSAL = (
+    "bands order the waiting queue by band; --scheduling-policy priority keeps "
+    "it as a heap by request priority, which reorders whatever is imposed on it: "
+    "run bands with the default fcfs policy (they replace request priorities)"
+)
 
 
 class BandSteps:
@@ -64,6 +75,8 @@ class BandSteps:
         tier_of: Callable[[str], str | None],
         team_of: Callable[[str], str | None],
     ) -> None:
+        if upstream.priority_policy and table().active:
+            raise ValueError(PRIORITY_REFUSAL)
         self.upstream = upstream
         self.book = book
         self.table = table
@@ -78,14 +91,18 @@ class BandSteps:
         self._cache: tuple[BandTable, dict[str, int]] | None = None
 
     def active(self) -> bool:
-        return self.table().active
+        """Whether bands order this step: more than one band, FCFS scheduling
+        (a table with bands applied later under PRIORITY is not: see
+        ``PRIORITY_REFUSAL``)."""
+        return self.table().active and not self.upstream.priority_policy
 
     def band_of(self, request: Request) -> int:
         """``request``'s band index (0: the highest)."""
-        band = self.request_band.get(request.request_id)
-        if band is not None:
-            return band
         table = self.table()
+        band = self.request_band.get(request.request_id)
+        # The gateway's band, unless a reload left fewer bands than it names.
+        if band is not None and band < len(table.names):
+            return band
         cache = self._cache
         if cache is None or cache[0] is not table:
             cache = self._cache = (table, {})

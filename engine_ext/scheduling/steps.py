@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from engine_ext.scheduling import ordering, settlement
+from engine_ext.scheduling.band_stats import BandStats
 from engine_ext.scheduling.bands import BandSteps
 from engine_ext.scheduling.drafts import (
     DraftRefunds,
@@ -108,6 +109,8 @@ class Steps:
             lambda user: shared.teams.team_of(user),
         )
         self.fair.band_of = self.bands.band_of
+        #: Per-band waiting requests and wait time, for the metrics.
+        self.band_stats = BandStats(upstream, lambda: shared.bands, self.bands.band_of)
         #: Ceilings (``spare``): who waits for capacity, so nobody borrows it.
         self.spare = SpareCapacity(upstream, book)
         self.engine_late = EngineLate()
@@ -143,6 +146,7 @@ class Steps:
         self.slots.yielded.discard(request_id)
         self.fair.request_ended(request_id)
         self.bands.request_ended(request_id)
+        self.band_stats.request_ended(request_id)
         self.prompt.ended(request_id, self.clock)
         if not self.episodes:
             return None
@@ -155,6 +159,7 @@ class Steps:
         shared = self.shared
         mode = shared.mode
         now_ns = self.clock()
+        self.band_stats.step_start(now_ns)
         self.engine_late.record(
             now_ns,
             counted=mode is not Mode.OFF,

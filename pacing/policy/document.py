@@ -14,6 +14,8 @@ The tree (YAML shown)::
     users:                         # user id -> a rate, or its limits and groups
       user-a: 500
       user-b: {tokens_per_second: 50, exempt: true, weight: 2, tier: free, team: acme}
+    bands: [interactive, standard, batch]   # priority bands, highest first
+    objectives: {chat: interactive}  # the gateway's objective -> its band
     etag: "..."                    # export's; the file ignores it
     store_version: "7/9f2c..."     # written by engines that share a store
 
@@ -33,7 +35,9 @@ ids follow ``pacing.identity.validate_user``; a rate is an integer in
 in (0, ``MAX_WEIGHT``] (``pacing.fair_share.validate_weight``); a tier needs a
 rate or an exemption, a team a rate; a member or a weight names a group that
 exists; no unknown keys; at most ``MAX_TIERS`` groups of each kind and
-``MAX_EXPLICIT_LIMITS`` users.
+``MAX_EXPLICIT_LIMITS`` users; bands are distinct names (at most
+``MAX_BANDS``), every ``band`` and objective names one of them, and the
+default names one once there are any.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from pacing.bands import MAX_BANDS, validate_band
 from pacing.fair_share import validate_weight
 from pacing.global_limits import LimitsVersion
 from pacing.identity import validate_user
@@ -76,6 +81,8 @@ MEMBERSHIPS_KEY: Final = "memberships"
 TEAM_MEMBERS_KEY: Final = "team_members"
 EXEMPT_USERS_KEY: Final = "exempt_users"
 WEIGHTS_KEY: Final = "weights"
+BANDS_KEY: Final = "bands"
+OBJECTIVES_KEY: Final = "objectives"
 ETAG_KEY: Final = "etag"
 STORE_VERSION_KEY: Final = "store_version"
 RATE_KEY: Final = "tokens_per_second"
@@ -102,6 +109,8 @@ TOP_KEYS: Final = (
     EXEMPT_USERS_KEY,
     TEAM_MEMBERS_KEY,
     WEIGHTS_KEY,
+    BANDS_KEY,
+    OBJECTIVES_KEY,
     ETAG_KEY,
     STORE_VERSION_KEY,
 )
@@ -166,6 +175,10 @@ def to_tree(document: Document) -> dict[str, Any]:
     }
     if team_weights := weights.get(WEIGHT_KEYS["team"]):
         tree[WEIGHTS_KEY][WEIGHT_KEYS["team"]] = team_weights
+    if policy.bands:
+        tree[BANDS_KEY] = list(policy.bands)
+    if policy.objectives:
+        tree[OBJECTIVES_KEY] = dict(sorted(policy.objectives.items()))
     if document.etag is not None:
         tree[ETAG_KEY] = document.etag
     if document.store_version is not None:
@@ -208,6 +221,14 @@ def _weights(holders: Mapping[str, Limits]) -> dict[str, float]:
 
 
 # -- the rules --------------------------------------------------------------
+
+
+def known_band(band: str, bands: Sequence[str], path: Sequence[PathPart] | str) -> str:
+    """``band`` if it is one of ``bands``, else ``PolicyError`` at ``path``."""
+    if band not in bands:
+        listed = ", ".join(bands) if bands else "none are set"
+        raise PolicyError(f"unknown band {shown(band)} (bands: {listed})", path)
+    return band
 
 
 def check_id(value: object, kind: str, path: Sequence[PathPart]) -> str:
@@ -287,6 +308,9 @@ class _Reader:
                 self._check_group(kind, name)
         users = self._users()
         check_count(len(users), MAX_EXPLICIT_LIMITS, "users", ())
+        bands = self._read_bands(doc)
+        objectives = self._read_objectives(doc, bands)
+        self._check_bands(bands)
         policy = Policy(
             mode=mode,
             fair_share=fair_share,
@@ -303,8 +327,54 @@ class _Reader:
                 for kind in KINDS
             },
             users=users,
+            bands=bands,
+            objectives=objectives,
         )
         return Document(policy, self._etag(doc), self._store_version(doc))
+
+    # -- bands ------------------------------------------------------------
+
+    @staticmethod
+    def _read_bands(doc: Mapping[Any, Any]) -> tuple[str, ...]:
+        listed = check_list(doc.get(BANDS_KEY) or [], "band names", (BANDS_KEY,))
+        check_count(len(listed), MAX_BANDS, "bands", (BANDS_KEY,))
+        bands: list[str] = []
+        for index, name in enumerate(listed):
+            path = (BANDS_KEY, index)
+            name = validate_band(name, field=path)
+            if name in bands:
+                raise PolicyError(f"{shown(name)} appears more than once", path)
+            bands.append(name)
+        return tuple(bands)
+
+    @staticmethod
+    def _read_objectives(
+        doc: Mapping[Any, Any], bands: tuple[str, ...]
+    ) -> dict[str, str]:
+        tree = check_object(
+            doc.get(OBJECTIVES_KEY) or {},
+            "mapping objective names to bands",
+            (OBJECTIVES_KEY,),
+        )
+        check_count(len(tree), MAX_TIERS, OBJECTIVES_KEY, (OBJECTIVES_KEY,))
+        objectives: dict[str, str] = {}
+        for name, band in tree.items():
+            path = (OBJECTIVES_KEY, str(name))
+            name = check_id(name, "objective", path)
+            objectives[name] = known_band(validate_band(band, field=path), bands, path)
+        return objectives
+
+    def _check_bands(self, bands: tuple[str, ...]) -> None:
+        """Every holder's band is one of ``bands``; the default names one
+        once there are any."""
+        for (holder, name, attribute), path in self._given.items():
+            if attribute == "band":
+                known_band(self._holders[(holder, name)]["band"], bands, path)
+        if bands and "band" not in self._attributes_of("default", ""):
+            raise PolicyError(
+                "needs band (one of bands: the band of users no holder puts in one)",
+                (DEFAULT_KEY,),
+            )
 
     # -- holders ----------------------------------------------------------
 

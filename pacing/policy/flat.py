@@ -3,7 +3,8 @@ them, as earlier ``additional_config`` entries held them and as the store's
 table document holds them (``default_rate``, ``user_rates``, ``tier_rates``,
 ``memberships``, ``exempt_users``, ``exempt_tiers``, ``team_rates``,
 ``team_members``, ``user_weights``, ``tier_weights``, ``team_weights``,
-``mode``, ``fair_share``).
+``mode``, ``fair_share``, ``bands``, ``objectives``: the last two the
+document's own keys, as the store's table holds them).
 
 ``tree_of`` turns the pieces into the policy document, so that the one
 validator (``pacing.policy.document``) checks them; ``piece_of`` says which
@@ -22,12 +23,14 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from pacing.policy.document import (
+    BANDS_KEY,
     DEFAULT_KEY,
     DEFAULT_RATE_KEY,
     EXEMPT_USERS_KEY,
     FAIR_SHARE_KEY,
     MEMBERSHIPS_KEY,
     MODE_KEY,
+    OBJECTIVES_KEY,
     RATE_KEY,
     TEAM_MEMBERS_KEY,
     USERS_KEY,
@@ -59,6 +62,8 @@ PIECES: Final = (
     "user_weights",
     "tier_weights",
     "team_weights",
+    BANDS_KEY,
+    OBJECTIVES_KEY,
 )
 #: The document's top-level key -> the piece that fills it (tiers: two).
 _PIECE_OF_KEY: Final = {
@@ -110,6 +115,10 @@ def tree_of(pieces: Mapping[str, Any]) -> dict[str, Any]:
     }
     if weights:
         tree[WEIGHTS_KEY] = weights
+    for key in (BANDS_KEY, OBJECTIVES_KEY):  # the document's keys, as they are
+        given: Any = pieces.get(key)
+        if given:
+            tree[key] = list(given) if isinstance(given, tuple) else given
     return tree
 
 

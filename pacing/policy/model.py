@@ -57,6 +57,7 @@ ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
         "tokens_per_second",
         "prompt_tokens_per_second",
         "ceiling_tokens_per_second",
+        "band",
     ),
     "user": (
         "tokens_per_second",
@@ -64,6 +65,7 @@ ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
         "weight",
         "prompt_tokens_per_second",
         "ceiling_tokens_per_second",
+        "band",
     ),
     "tier": (
         "tokens_per_second",
@@ -71,8 +73,9 @@ ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
         "weight",
         "prompt_tokens_per_second",
         "ceiling_tokens_per_second",
+        "band",
     ),
-    "team": ("tokens_per_second", "weight", "prompt_tokens_per_second"),
+    "team": ("tokens_per_second", "weight", "prompt_tokens_per_second", "band"),
 }
 
 

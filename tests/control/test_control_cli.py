@@ -89,4 +89,5 @@ def test_the_console_script_runs(served):
         "default_tokens_per_second": 10,
         "default_prompt_tokens_per_second": None,
         "default_ceiling_tokens_per_second": None,
+        "default_band": None,
     }

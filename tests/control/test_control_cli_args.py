@@ -93,7 +93,8 @@ USAGE_ERRORS = {
     "update-tier-without-change": (
         ["update-tier", "free"],
         "update-tier needs --rate, --no-rate, --exempt, --no-exempt, --weight, "
-        "--no-weight, --prompt-rate, --no-prompt-rate, --ceiling or --no-ceiling",
+        "--no-weight, --prompt-rate, --no-prompt-rate, --ceiling, --no-ceiling, "
+        "--band or --no-band",
     ),
     "zero-weight": (["set-weight", "alice", "0"], f"{WEIGHT_RANGE} 0.0"),
     "negative-weight": (["set-weight", "alice", "-2"], f"{WEIGHT_RANGE} -2.0"),

@@ -33,8 +33,8 @@ def test_update_sets_and_clears_a_users_ceiling(ctl, rig):
     assert ceilings(rig)["alice"] == 50
     assert rig.limiter.rate_of("alice") == 5  # the rate is its own
     assert ctl("get", "alice")[1].splitlines() == [
-        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
-        "alice         5     -      no       -         -      50     -",
+        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  TEAM",
+        "alice         5     -      no       -         -      50     -     -",
     ]
     status, out, _ = ctl("--json", "update", "alice", "--no-ceiling")
     assert (status, json.loads(out)) == (0, entry("alice", 5))
@@ -61,8 +61,8 @@ def test_tiers_take_a_ceiling_on_create_and_update(ctl, rig):
     status, out, _ = ctl("update-tier", "free", "--ceiling", "30")
     assert status == 0
     assert out.splitlines() == [
-        "TIER  TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  MEMBERS",
-        "free         5      no       -         -      30        1",
+        "TIER  TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  MEMBERS",
+        "free         5      no       -         -      30     -        1",
     ]
     assert ceilings(rig)["m"] == 30
     status, out, _ = ctl("--json", "update-tier", "free", "--no-ceiling")
@@ -99,6 +99,7 @@ def test_update_default_sets_and_clears_the_default_ceiling(ctl, rig):
         "default_tokens_per_second": 10,
         "default_prompt_tokens_per_second": None,
         "default_ceiling_tokens_per_second": 40,
+        "default_band": None,
     }
     # set-default changes the rate alone; the ceiling stays.
     status, out, _ = ctl("--json", "set-default", "20")
@@ -110,6 +111,7 @@ def test_update_default_sets_and_clears_the_default_ceiling(ctl, rig):
         "default_tokens_per_second": 30,
         "default_prompt_tokens_per_second": None,
         "default_ceiling_tokens_per_second": None,
+        "default_band": None,
     }
     assert (rig.limiter.default_rate, ceilings(rig)["nobody"]) == (30, 0)
     assert ctl("get-default")[1] == "default: 30 tokens/s\n"

@@ -42,6 +42,7 @@ def test_default_get_and_set(ctl, rig):
             "default_tokens_per_second": 30,
             "default_prompt_tokens_per_second": None,
             "default_ceiling_tokens_per_second": None,
+            "default_band": None,
         },
     )
     assert rig.limiter.default_rate == 30
@@ -106,9 +107,9 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
     assert (status, out.splitlines()) == (
         0,
         [
-            "TIER   TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  MEMBERS",
-            "free         20      no       -         -       -        1",
-            "staff         -     yes       -         -       -        0",
+            "TIER   TOKENS/S  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  MEMBERS",
+            "free         20      no       -         -       -     -        1",
+            "staff         -     yes       -         -       -     -        0",
         ],
     )
     status, out, _ = ctl("--json", "update-tier", "free", "--rate", "30", "--exempt")
@@ -119,6 +120,7 @@ def test_create_list_update_and_delete_tiers(ctl, rig):
         "weight": None,
         "prompt_tokens_per_second": None,
         "ceiling_tokens_per_second": None,
+        "band": None,
         "member_count": 1,
     }
     assert (rig.limiter.tier_rates, rig.limiter.exempt_tiers) == (
@@ -172,9 +174,9 @@ def test_membership_exemption_and_own_limit_are_separate_fields(ctl, rig):
     out = ctl("--json", "exempt", "dora")[1]  # no entry before
     assert json.loads(out) == entry("dora", None, exempt=True)
     assert ctl("list")[1].splitlines() == [
-        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
-        "bob         20     -      no       -         -       -     -",
-        "dora         -     -     yes       -         -       -     -",
+        "USER  TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  TEAM",
+        "bob         20     -      no       -         -       -     -     -",
+        "dora         -     -     yes       -         -       -     -     -",
     ]
 
 

@@ -37,8 +37,8 @@ def test_update_sets_and_clears_a_users_prompt_rate(ctl, rig):
     assert rig.shared.prompt.limiter.rate_of("alice") == 1500
     assert rig.limiter.rate_of("alice") == 5  # the output rate is its own
     assert ctl("get", "alice")[1].splitlines() == [
-        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
-        "alice         5     -      no       -      1500       -     -",
+        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  TEAM",
+        "alice         5     -      no       -      1500       -     -     -",
     ]
     status, out, _ = ctl("--json", "update", "alice", "--no-prompt-rate")
     assert (status, json.loads(out)) == (0, entry("alice", 5))
@@ -67,8 +67,8 @@ def test_tiers_and_teams_take_a_prompt_rate_on_create_and_update(ctl, rig):
     status, out, _ = ctl("teams", "create", "acme", "600", "--prompt-rate", "4000")
     assert status == 0
     assert out.splitlines() == [
-        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  MEMBERS",
-        "acme       600       -      4000        0",
+        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  BAND  MEMBERS",
+        "acme       600       -      4000     -        0",
     ]
     assert prompt_rates(rig)["acme"] == 4000
     status, out, _ = ctl("--json", "teams", "update", "acme", "--no-prompt-rate")
@@ -93,6 +93,7 @@ def test_update_default_sets_and_clears_the_default_prompt_rate(ctl, rig):
         "default_tokens_per_second": 10,
         "default_prompt_tokens_per_second": 3000,
         "default_ceiling_tokens_per_second": None,
+        "default_band": None,
     }
     # set-default changes the rate alone; the prompt rate stays.
     status, out, _ = ctl("--json", "set-default", "20")
@@ -101,6 +102,7 @@ def test_update_default_sets_and_clears_the_default_prompt_rate(ctl, rig):
         "default_tokens_per_second": 20,
         "default_prompt_tokens_per_second": 3000,
         "default_ceiling_tokens_per_second": None,
+        "default_band": None,
     }
     status, out, _ = ctl("--json", "update-default", "--rate", "30", "--no-prompt-rate")
     assert status == 0
@@ -108,6 +110,7 @@ def test_update_default_sets_and_clears_the_default_prompt_rate(ctl, rig):
         "default_tokens_per_second": 30,
         "default_prompt_tokens_per_second": None,
         "default_ceiling_tokens_per_second": None,
+        "default_band": None,
     }
     assert (rig.limiter.default_rate, prompt_rates(rig)["default"]) == (30, 0)
     assert ctl("get-default")[1] == "default: 30 tokens/s\n"
@@ -118,7 +121,7 @@ def test_update_default_without_an_option_is_a_usage_error_and_sends_nothing(ctl
     assert (status, out) == (2, "")
     assert err == (
         "output-rate-ctl: error: update-default needs --rate, --prompt-rate, "
-        "--no-prompt-rate, --ceiling or --no-ceiling\n"
+        "--no-prompt-rate, --ceiling, --no-ceiling, --band or --no-band\n"
     )
     status, _, err = ctl("update-default", "--no-rate")
     assert status == 2

@@ -8,9 +8,9 @@ def test_human_readable_tables(ctl):
     status, out, _ = ctl("list")
     assert status == 0
     assert out.splitlines() == [
-        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
-        "alice         5     -      no       -         -       -     -",
-        "bob          20     -      no       -         -       -     -",
+        "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  TEAM",
+        "alice         5     -      no       -         -       -     -     -",
+        "bob          20     -      no       -         -       -     -     -",
     ]
 
 

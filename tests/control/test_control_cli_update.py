@@ -69,8 +69,8 @@ def test_update_sets_several_fields_in_one_call_and_clears_one(ctl, rig):
     assert (status, out.splitlines()) == (
         0,
         [
-            "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  TEAM",
-            "alice         -  free      no     3.0         -       -  acme",
+            "USER   TOKENS/S  TIER  EXEMPT  WEIGHT  PROMPT/S  CEIL/S  BAND  TEAM",
+            "alice         -  free      no     3.0         -       -     -  acme",
         ],
     )
     assert rig.limiter.rate_of("alice") == 2  # now the tier's
@@ -129,7 +129,8 @@ def test_update_without_an_option_is_a_usage_error_and_sends_nothing(ctl, rig):
     assert err == (
         "output-rate-ctl: error: update needs --rate, --no-rate, --exempt, "
         "--no-exempt, --weight, --no-weight, --prompt-rate, --no-prompt-rate, "
-        "--ceiling, --no-ceiling, --tier, --no-tier, --team or --no-team\n"
+        "--ceiling, --no-ceiling, --band, --no-band, --tier, --no-tier, --team or "
+        "--no-team\n"
     )
     assert rig.limiter.rate_of("alice") == 5
 

@@ -6,6 +6,7 @@ tables hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import grpc
@@ -15,7 +16,7 @@ from control.errors import ControlError
 from control.kinds import ALL, TEAMS, TIERS, USERS, Kind
 from control.service.operations import LimitsService
 from pacing.fair_share_policy import policy_of as share_policy_of
-from pacing.policy.model import ATTRIBUTES, RULES, policy_of
+from pacing.policy.model import ATTRIBUTES, RULES, Limits, policy_of
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
 
@@ -26,7 +27,10 @@ VALUES = {
     "weight": 2.5,
     "prompt_tokens_per_second": 1500,
     "ceiling_tokens_per_second": 70,
+    "band": "batch",
 }
+#: The bands of the table while ``VALUES`` are set (``band``: one of them).
+BANDS = ("interactive", "batch")
 
 
 @pytest.fixture
@@ -61,6 +65,11 @@ def test_every_kind_is_created_read_listed_updated_and_deleted_by_the_same_verbs
 ):
     name = kind.name("h1")
     values = {a: VALUES[a] for a in kind.attributes}
+    shared = served.rig.shared
+    with shared.lock:  # bands, for the band to name one
+        shared.policy = dataclasses.replace(
+            shared.policy, default=Limits(10, band=BANDS[0]), bands=BANDS
+        )
     created = call(
         served,
         "Create",

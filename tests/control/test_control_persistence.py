@@ -70,7 +70,8 @@ BAD_FILES = [
         '{"users": {}, "user": {}}',
         "unknown field(s) 'user'; expected 'mode', 'fair_share', 'default', "
         "'default_tokens_per_second', 'tiers', 'teams', 'users', 'memberships', "
-        "'exempt_users', 'team_members', 'weights', 'etag', 'store_version'",
+        "'exempt_users', 'team_members', 'weights', 'bands', 'objectives', 'etag', "
+        "'store_version'",
     ),
     ('{"default_tokens_per_second": 1.5}', f"default_tokens_per_second: {RATE} 1.5"),
     ('{"default_tokens_per_second": 0}', f"default_tokens_per_second: {RATE} 0"),
@@ -93,7 +94,8 @@ BAD_FILES = [
     (
         '{"tiers": {"free": 20}}',
         "tiers.free: must be an object with any of 'tokens_per_second', 'exempt', "
-        "'weight', 'prompt_tokens_per_second', 'ceiling_tokens_per_second', got int",
+        "'weight', 'prompt_tokens_per_second', 'ceiling_tokens_per_second', "
+        "'band', got int",
     ),
     (
         '{"tiers": {"free": {"tokens_per_second": 0}}}',
@@ -106,7 +108,8 @@ BAD_FILES = [
     (
         '{"tiers": {"free": {"rate": 1}}}',
         "tiers.free: unknown field(s) 'rate'; expected 'tokens_per_second', "
-        "'exempt', 'weight', 'prompt_tokens_per_second', 'ceiling_tokens_per_second'",
+        "'exempt', 'weight', 'prompt_tokens_per_second', 'ceiling_tokens_per_second', "
+        "'band'",
     ),
     ('{"tiers": {"": {"exempt": true}}}', "tiers['']: tier id must not be empty"),
     (

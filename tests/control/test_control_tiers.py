@@ -561,7 +561,7 @@ BAD_INPUT = [
         Invalid,
         "update_mask: cannot update 'etag'; mutable: "
         "tokens_per_second, exempt, weight, prompt_tokens_per_second, "
-        "ceiling_tokens_per_second, tier, team",
+        "ceiling_tokens_per_second, band, tier, team",
     ),
     (
         "update entry stale etag",

@@ -83,6 +83,16 @@ RULES = {
         ["set-weight", "u7", "-1.5"],
         "output-rate-ctl set-weight: error: argument weight",
     ),
+    "unknown band": Rule(
+        {"users": {"u7": {"band": "gold"}}},
+        "users.u7.band",
+        "unknown band 'gold' (bands: none are set)",
+        pb.Limit(name="limits/u7", band="gold"),
+        "band",
+        "limit.band",
+        ["update", "u7", "--band", "gold", "--allow-missing"],
+        "error: INVALID_ARGUMENT",
+    ),
 }
 
 

@@ -78,7 +78,7 @@ def test_only_a_gateway_source_or_a_required_user_is_attested():
 @pytest.mark.parametrize("issued_at", [NOW, NOW - LIFETIME_S, NOW + CLOCK_SKEW_S])
 def test_an_attested_id_is_charged_to_its_user(issued_at):
     xargs = sent("vip", tag(issued_at=issued_at))
-    assert identity().identify("r", xargs) == ("vip", None)
+    assert identity().identify("r", xargs) == ("vip", None, None)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ def test_an_attested_id_is_charged_to_its_user(issued_at):
 def test_an_unattested_request_is_anonymous_or_refused_when_a_user_is_required(
     xargs,
 ):
-    assert identity().identify("r", xargs) == (ANONYMOUS_USER, None)
+    assert identity().identify("r", xargs) == (ANONYMOUS_USER, None, None)
     assert identity(require_user=True).identify("r", xargs) is None
 
 
@@ -112,7 +112,7 @@ def test_a_users_tag_never_verifies_for_another_split_of_its_fields():
     no team: the MAC covered the fields joined by NULs."""
     relabelled = sent("alice\x00teamB", tag("alice", team="teamB"))
     assert verify(KEY, relabelled) is None
-    assert identity().identify("r", relabelled) == (ANONYMOUS_USER, None)
+    assert identity().identify("r", relabelled) == (ANONYMOUS_USER, None, None)
     # Re-validation aside, no other split of the same characters into binding,
     # user and team (or none) shares a tag, NULs between them or not.
     for text in (f"{BINDING}alice\x00teamB", f"{BINDING}\x00alice\x00teamB"):
@@ -141,7 +141,7 @@ def test_a_users_tag_never_verifies_for_another_split_of_its_fields():
 def test_an_id_the_guard_would_refuse_never_passes_however_well_attested(user, team):
     xargs = {**sent(user, tag(user, team=team)), TEAM_FIELD: team}
     assert verify(KEY, xargs) is None
-    assert identity().identify("r", xargs) == (ANONYMOUS_USER, None)
+    assert identity().identify("r", xargs) == (ANONYMOUS_USER, None, None)
     assert identity(require_user=True).identify("r", xargs) is None
 
 
@@ -169,7 +169,7 @@ def test_every_binding_is_fresh_and_attestable():
     for binding in bindings:
         assert len(binding) == 2 * BINDING_BYTES
         xargs = sent("vip", tag(binding=binding), binding)
-        assert identity().identify("r", xargs) == ("vip", None)
+        assert identity().identify("r", xargs) == ("vip", None, None)
 
 
 class Clocks:
@@ -199,15 +199,15 @@ def test_a_tag_holds_past_its_lifetime_while_its_chain_lives():
     clocks = Clocks()
     rule = clocks.identity(require_user=True)
     xargs = sent("vip", tag())
-    assert rule.identify("turn-1", xargs) == ("vip", None)
-    assert rule.identify("sibling", xargs) == ("vip", None)
+    assert rule.identify("turn-1", xargs) == ("vip", None, None)
+    assert rule.identify("sibling", xargs) == ("vip", None, None)
     clocks.advance(LIFETIME_S + 100)
     rule.request_ended("turn-1")
-    assert rule.identify("turn-2", xargs) == ("vip", None)  # the sibling is live
+    assert rule.identify("turn-2", xargs) == ("vip", None, None)  # the sibling is live
     rule.request_ended("sibling")
     rule.request_ended("turn-2")
     clocks.advance(LIFETIME_S)  # the longest gap between turns
-    assert rule.identify("turn-3", xargs) == ("vip", None)
+    assert rule.identify("turn-3", xargs) == ("vip", None, None)
     rule.request_ended("turn-3")
     clocks.advance(LIFETIME_S + 1)
     assert rule.identify("replay", xargs) is None
@@ -216,10 +216,10 @@ def test_a_tag_holds_past_its_lifetime_while_its_chain_lives():
 def test_a_live_chain_revives_no_other_bindings_stale_tag():
     clocks = Clocks()
     rule = clocks.identity()
-    assert rule.identify("live", sent("vip", tag())) == ("vip", None)
+    assert rule.identify("live", sent("vip", tag())) == ("vip", None, None)
     clocks.advance(LIFETIME_S + 1)
     stale = sent("vip", tag(binding=OTHER_BINDING), OTHER_BINDING)
-    assert rule.identify("other", stale) == (ANONYMOUS_USER, None)
+    assert rule.identify("other", stale) == (ANONYMOUS_USER, None, None)
 
 
 def test_chains_are_forgotten_a_lifetime_after_their_last_request_ended():
@@ -246,8 +246,8 @@ def test_chains_are_forgotten_a_lifetime_after_their_last_request_ended():
 
 def test_without_the_attested_mode_the_client_names_its_user():
     plain = RequestIdentity(None, require_user=False, clock=lambda: 0)
-    assert plain.identify("r", {USER_FIELD: "vip"}) == ("vip", None)
-    assert plain.identify("r", {USER_FIELD: ""}) == (ANONYMOUS_USER, None)
+    assert plain.identify("r", {USER_FIELD: "vip"}) == ("vip", None, None)
+    assert plain.identify("r", {USER_FIELD: ""}) == (ANONYMOUS_USER, None, None)
 
 
 def test_the_attested_mode_refuses_to_start_without_a_key():

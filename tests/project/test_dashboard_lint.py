@@ -55,6 +55,10 @@ EXPORTED = {
     metrics.STORE_LIVE_ENGINES,
     metrics.FAIR_SHARE_ENABLED,
     metrics.FAIR_SHARE_SERVICE_GAP,
+    metrics.BAND_TOKENS,
+    metrics.BAND_WAIT_SECONDS,
+    metrics.BAND_WAITING_REQUESTS,
+    metrics.BAND_FAIRNESS,
 }
 HISTOGRAMS = (metrics.IDLE_WAIT_SECONDS, metrics.STORE_ROUND_TRIP_SECONDS)
 #: A histogram's series -> the histogram.

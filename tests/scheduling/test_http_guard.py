@@ -505,7 +505,7 @@ async def test_each_http_request_gets_a_binding_of_its_own(monkeypatch):
         xargs = extra_args(COMPLETIONS, response.content)
         attestation = verify(key, xargs)
         assert attestation is not None
-        assert attestation.identity == ("alice", None)
+        assert attestation.identity == ("alice", None, None)
         seen.append(attestation.binding)
     assert seen[0] != seen[1]
 

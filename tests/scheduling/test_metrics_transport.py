@@ -9,7 +9,9 @@ No server needed; the tiny model only feeds ``ModelConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
@@ -23,12 +25,19 @@ from vllm.v1.metrics.loggers import (
     load_stat_logger_plugin_factories,
 )
 from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.request import RequestStatus
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from engine_ext import metrics
-from engine_ext.payload_builder import PayloadBuilder, TeamActivity, attach
+from engine_ext.payload_builder import (
+    BandActivity,
+    PayloadBuilder,
+    TeamActivity,
+    attach,
+)
 from engine_ext.payload_parser import parse, take_payload
 from engine_ext.scheduler import PAYLOAD_INTERVAL_NS, OutputRateScheduler
+from engine_ext.scheduling.band_stats import BandStats
 from engine_ext.stats_payload import (
     DEFAULT_LIMIT_USER,
     OTHER_TEAM,
@@ -38,6 +47,7 @@ from engine_ext.stats_payload import (
     PAYLOAD_VERSION,
 )
 from pacing.accounting import Accounting
+from pacing.bands import BandTable
 from pacing.ceilings import Ceilings
 from pacing.fair_share import FairShare
 from pacing.limiter import OutputRateLimiter
@@ -1193,3 +1203,220 @@ def test_the_scheduler_reports_its_team_members_streaming_and_throttled(
     assert second is not None
     later = parse(take_payload(second))
     assert later.team_member_ns["acme"] == (streaming * 500 * MS, throttled * 500 * MS)
+
+
+# -- priority bands -------------------------------------------------------------
+
+BANDS = ("interactive", "standard", "batch")
+
+
+def test_band_series_reach_vllms_registry_per_band_and_engine(
+    vllm_config: VllmConfig,
+) -> None:
+    """The band counters for exactly the bands in force, born at zero, gone
+    with a band or with all bands; the waiting and fairness gauges per band
+    and engine, each engine's own."""
+    assert (
+        metrics.BAND_TOKENS,
+        metrics.BAND_WAIT_SECONDS,
+        metrics.BAND_WAITING_REQUESTS,
+        metrics.BAND_FAIRNESS,
+    ) == (
+        "vllm:output_rate_band_tokens_total",
+        "vllm:output_rate_band_wait_seconds_total",
+        "vllm:output_rate_band_waiting_requests",
+        "vllm:output_rate_band_fairness",
+    )
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0, 1], registry=registry)
+    accounting = Accounting()  # engine 0's (engine 1 charges nothing)
+    builders = {0: PayloadBuilder(), 1: PayloadBuilder()}
+    queues = {
+        engine: SimpleNamespace(queued=dict.fromkeys(BANDS, 0), wait_ns={})
+        for engine in builders
+    }
+    table = BandTable(names=BANDS, default=1, users={"alice": 0})
+
+    def step(table: BandTable, engine: int, now_ns: int = 0) -> None:
+        payload = builders[engine].build(
+            accounting=accounting if engine == 0 else Accounting(),
+            user_rates={},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=0,
+            bands=BandActivity(
+                table=table,
+                tier_of=lambda user: None,
+                team_of=lambda user: None,
+                weight_of=lambda user: 1.0,
+                live={"alice": 1, "bob": 1},
+                now_ns=now_ns,
+                queue=queues[engine],
+            ),
+        )
+        plugin.record(engine_step(payload), None, engine_idx=engine)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": MODEL, **labels})
+
+    accounting.record("alice", "charged", 10)
+    accounting.record("bob", "charged", 4)
+    queues[0].queued = {"interactive": 0, "standard": 0, "batch": 3}
+    queues[0].wait_ns = {"batch": 1_500_000_000}
+    step(table, 0)
+    tokens = {band: value(metrics.BAND_TOKENS, band=band) for band in BANDS}
+    assert tokens == {"interactive": 10, "standard": 4, "batch": 0}
+    assert value(metrics.BAND_WAIT_SECONDS, band="batch") == 1.5
+    assert value(metrics.BAND_WAIT_SECONDS, band="interactive") == 0
+    waiting = metrics.BAND_WAITING_REQUESTS
+    assert value(waiting, band="batch", engine="0") == 3
+    assert value(waiting, band="standard", engine="0") == 0
+    assert value(waiting, band="batch", engine="1") is None
+    # A second later both are measured: alice alone in interactive, bob in
+    # standard, each 1.
+    accounting.record("alice", "charged", 5)
+    step(table, 0, now_ns=1_000_000_000)
+    assert value(metrics.BAND_TOKENS, band="interactive") == 15
+    fairness = metrics.BAND_FAIRNESS
+    assert value(fairness, band="interactive", engine="0") == 1.0
+    assert value(fairness, band="standard", engine="0") == 1.0
+    assert value(fairness, band="batch", engine="0") is None  # nobody's band
+    # Engine 1 reports its own queue; engine 0's samples stay.
+    queues[1].queued = {"interactive": 1, "standard": 0, "batch": 0}
+    step(table, 1)
+    assert value(waiting, band="interactive", engine="1") == 1
+    assert value(waiting, band="batch", engine="0") == 3
+    # batch is dropped: its counters go, and engine 0's gauges for it.
+    two = BandTable(names=BANDS[:2], default=1, users={"alice": 0})
+    step(two, 0, now_ns=2_000_000_000)
+    assert value(metrics.BAND_TOKENS, band="batch") is None
+    assert value(metrics.BAND_WAIT_SECONDS, band="batch") is None
+    assert value(waiting, band="batch", engine="0") is None
+    assert value(waiting, band="standard", engine="0") == 0
+    assert value(metrics.BAND_TOKENS, band="interactive") == 15  # kept
+    # The bands go: every band series goes (engine 1's gauges with its next
+    # payload).
+    step(BandTable(), 0)
+    step(BandTable(), 1)
+    assert "output_rate_band_" not in generate_latest(registry).decode()
+
+
+def test_band_gauges_go_with_pacing_off_and_the_counters_stay(
+    vllm_config: VllmConfig,
+) -> None:
+    registry = CollectorRegistry()
+    plugin = metrics.OutputRateStatLogger(vllm_config, [0], registry=registry)
+    builder = PayloadBuilder()
+    queue = SimpleNamespace(queued={"interactive": 1, "batch": 0}, wait_ns={})
+    table = BandTable(names=("interactive", "batch"), default=1)
+
+    def step(mode: Mode) -> str:
+        payload = builder.build(
+            accounting=Accounting(),
+            user_rates={},
+            default_rate=100,
+            throttled_requests=0,
+            tracked_users=0,
+            mode=mode,
+            bands=BandActivity(
+                table, lambda u: None, lambda u: None, lambda u: 1.0, {"a": 1}, 0, queue
+            ),
+        )
+        plugin.record(engine_step(payload), None)
+        return generate_latest(registry).decode()
+
+    assert metrics.BAND_WAITING_REQUESTS in step(Mode.SHADOW)
+    exposed = step(Mode.OFF)
+    assert metrics.BAND_WAITING_REQUESTS not in exposed
+    assert metrics.BAND_TOKENS in exposed
+
+
+def test_the_scheduler_hands_the_bands_to_the_payload(tiny_model_dir: str) -> None:
+    """On vLLM's real Scheduler, two slots: an interactive user's two streams
+    run while a batch user's two wait. The payloads carry the tokens per band
+    (all of them: each user's in its band), two batch requests waiting, the
+    fairness of each band (one user each: 1) and, once the batch requests
+    start, their waits: from the step start that first found them to the one
+    that started them. The step hooks ``BandStats`` needs
+    (``step_start`` at every step's start, ``request_ended``) are attached
+    here as ``Steps`` is to call them."""
+    doc = {"default": {"tokens_per_second": 100_000}}
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir,
+        False,
+        default_rate=None,
+        output_rate={"policy": doc},
+        scheduler_cls=_StatsScheduler,
+        max_num_seqs=2,
+    )
+    shared = scheduler.output_rate_shared
+    with shared.lock:
+        policy = shared.policy
+        shared.policy = dataclasses.replace(
+            policy,
+            bands=BANDS,
+            default=dataclasses.replace(policy.default, band="standard"),
+            users={
+                "i": User(Limits(band="interactive")),
+                "b": User(Limits(band="batch")),
+            },
+        )
+    steps = scheduler._steps
+    band_stats = BandStats(steps.upstream, lambda: shared.bands, steps.bands.band_of)
+    steps.band_stats = band_stats
+    schedule, request_ended = steps.schedule, steps.request_ended
+
+    def hooked_schedule(throttle_prefills: bool):
+        band_stats.step_start(steps.clock())
+        return schedule(throttle_prefills)
+
+    def hooked_end(request_id: str):
+        ended = request_ended(request_id)
+        band_stats.request_ended(request_id)
+        return ended
+
+    steps.schedule, steps.request_ended = hooked_schedule, hooked_end
+    payloads = []
+    make_stats = scheduler.make_stats
+
+    def recorded(*args, **kwargs):
+        stats = make_stats(*args, **kwargs)
+        raw = take_payload(stats)
+        if raw is not None:
+            payloads.append(parse(raw))
+        return stats
+
+    scheduler.make_stats = recorded
+    interactive = [make_request("i", max_tokens=100_000) for _ in range(2)]
+    batch = [make_request("b", max_tokens=100_000) for _ in range(2)]
+    driver.add(interactive + batch)
+    first_step_ns = driver.clock()
+    driver.run(150)
+    scheduler.make_stats_with_payload()
+    last = payloads[-1].bands
+    assert last is not None
+    assert last.names == BANDS
+    assert last.waiting == {"interactive": 0, "standard": 0, "batch": 2}
+    assert last.fairness == {"interactive": 1.0, "batch": 1.0}
+
+    def total(field: str, band: str) -> int:
+        return sum(getattr(p.bands, field).get(band, 0) for p in payloads if p.bands)
+
+    assert total("tokens", "interactive") == scheduler.accounting.of("i").charged
+    assert total("tokens", "batch") == 0
+    assert total("wait_ns", "interactive") == 0  # started in the first step
+    scheduler.finish_requests(
+        [r.request_id for r in interactive], RequestStatus.FINISHED_ABORTED
+    )
+    started_ns = driver.clock()
+    driver.step()  # starts the batch requests
+    driver.step()  # finds them gone from the queue
+    scheduler.make_stats_with_payload()
+    assert total("wait_ns", "batch") == 2 * (started_ns - first_step_ns)
+    assert payloads[-1].bands.waiting == dict.fromkeys(BANDS, 0)
+    assert total("tokens", "batch") == scheduler.accounting.of("b").charged > 0
+    # The bands go from the policy: so does their part of the payload.
+    with shared.lock:
+        shared.policy = policy
+    scheduler.make_stats_with_payload()
+    assert payloads[-1].bands is None

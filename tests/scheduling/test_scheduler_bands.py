@@ -180,3 +180,31 @@ def test_an_interactive_user_starts_at_once_in_a_saturated_batch_band(
     }
     share = per_user["b8"] / sum(per_user.values())
     assert abs(share - 0.5) <= 0.07, per_user
+
+
+def test_bands_refuse_priority_scheduling(tiny_model_dir):
+    """vLLM keeps a PRIORITY queue as a heap by request priority: bands would
+    be reordered away, so the scheduler refuses to start with both."""
+    doc = {
+        "default": {"tokens_per_second": 100, "band": "standard"},
+        "bands": list(BANDS),
+        "users": {"i": {"band": "interactive"}},
+    }
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        driven_scheduler(
+            tiny_model_dir,
+            False,
+            default_rate=None,
+            output_rate={"policy": doc},
+            policy="priority",
+        )
+    # One band orders nothing: accepted.
+    one = {**doc, "bands": ["standard"], "users": {}}
+    scheduler, _ = driven_scheduler(
+        tiny_model_dir,
+        False,
+        default_rate=None,
+        output_rate={"policy": one},
+        policy="priority",
+    )
+    assert not scheduler._steps.bands.active()

@@ -136,7 +136,7 @@ async def test_the_guard_writes_the_gateways_team_attested_with_the_user(
         REQUEST_FIELD: binding,
         ATTESTATION_FIELD: attest(KEY, "alice", NOW, binding=binding, team="acme"),
     }
-    assert verify(KEY, xargs) == (("alice", "acme"), binding, NOW)
+    assert verify(KEY, xargs) == (("alice", "acme", None), binding, NOW)
 
 
 @pytest.mark.anyio
@@ -195,7 +195,7 @@ def test_the_attestation_covers_the_team():
     xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, binding=binding, team="beta")
     assert verify(KEY, xargs) is None  # another team
     xargs[ATTESTATION_FIELD] = attest(KEY, "alice", NOW, binding=binding, team="acme")
-    assert verify(KEY, xargs) == (("alice", "acme"), binding, NOW)
+    assert verify(KEY, xargs) == (("alice", "acme", None), binding, NOW)
     del xargs[TEAM_FIELD]  # the team dropped on the way
     assert verify(KEY, xargs) is None
 

@@ -16,19 +16,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DefaultLimit(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "prompt_tokens_per_second", "ceiling_tokens_per_second")
+    __slots__ = ("name", "tokens_per_second", "prompt_tokens_per_second", "ceiling_tokens_per_second", "band")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     CEILING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     prompt_tokens_per_second: int
     ceiling_tokens_per_second: int
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ...) -> None: ...
+    band: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ...) -> None: ...
 
 class Limit(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight", "team", "prompt_tokens_per_second", "ceiling_tokens_per_second")
+    __slots__ = ("name", "tokens_per_second", "tier", "exempt", "etag", "weight", "team", "prompt_tokens_per_second", "ceiling_tokens_per_second", "band")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +40,7 @@ class Limit(_message.Message):
     TEAM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     CEILING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     tier: str
@@ -47,10 +50,11 @@ class Limit(_message.Message):
     team: str
     prompt_tokens_per_second: int
     ceiling_tokens_per_second: int
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., team: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ...) -> None: ...
+    band: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., tier: _Optional[str] = ..., exempt: _Optional[bool] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., team: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ...) -> None: ...
 
 class Tier(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag", "weight", "prompt_tokens_per_second", "ceiling_tokens_per_second")
+    __slots__ = ("name", "tokens_per_second", "exempt", "member_count", "etag", "weight", "prompt_tokens_per_second", "ceiling_tokens_per_second", "band")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     EXEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +63,7 @@ class Tier(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     CEILING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     exempt: bool
@@ -67,26 +72,29 @@ class Tier(_message.Message):
     weight: float
     prompt_tokens_per_second: int
     ceiling_tokens_per_second: int
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ...) -> None: ...
+    band: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ...) -> None: ...
 
 class Team(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag", "prompt_tokens_per_second")
+    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag", "prompt_tokens_per_second", "band")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     weight: float
     member_count: int
     etag: str
     prompt_tokens_per_second: int
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ...) -> None: ...
+    band: str
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ...) -> None: ...
 
 class LimitsTable(_message.Message):
-    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams", "default")
+    __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams", "default", "bands", "objectives")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +102,8 @@ class LimitsTable(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TEAMS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    BANDS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
     name: str
     default_tokens_per_second: int
     limits: _containers.RepeatedCompositeFieldContainer[Limit]
@@ -101,7 +111,17 @@ class LimitsTable(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[Tier]
     teams: _containers.RepeatedCompositeFieldContainer[Team]
     default: DefaultLimit
-    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., teams: _Optional[_Iterable[_Union[Team, _Mapping]]] = ..., default: _Optional[_Union[DefaultLimit, _Mapping]] = ...) -> None: ...
+    bands: _containers.RepeatedScalarFieldContainer[str]
+    objectives: _containers.RepeatedCompositeFieldContainer[Objective]
+    def __init__(self, name: _Optional[str] = ..., default_tokens_per_second: _Optional[int] = ..., limits: _Optional[_Iterable[_Union[Limit, _Mapping]]] = ..., etag: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[Tier, _Mapping]]] = ..., teams: _Optional[_Iterable[_Union[Team, _Mapping]]] = ..., default: _Optional[_Union[DefaultLimit, _Mapping]] = ..., bands: _Optional[_Iterable[str]] = ..., objectives: _Optional[_Iterable[_Union[Objective, _Mapping]]] = ...) -> None: ...
+
+class Objective(_message.Message):
+    __slots__ = ("name", "band")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    band: str
+    def __init__(self, name: _Optional[str] = ..., band: _Optional[str] = ...) -> None: ...
 
 class PacingMode(_message.Message):
     __slots__ = ("name", "mode", "etag", "fair_share")
@@ -126,7 +146,7 @@ class PacingMode(_message.Message):
     def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[PacingMode.Mode, str]] = ..., etag: _Optional[str] = ..., fair_share: _Optional[bool] = ...) -> None: ...
 
 class UserState(_message.Message):
-    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late", "weight", "fair_share_service", "fair_share_preemptions", "fair_share", "fair_share_backlogged", "fair_share_lead", "prompt_limit_tokens_per_second", "prompt_tat_lead", "prompt_next_token_in", "prompt_tokens_charged", "prompt_held_skips", "prompt_shadow_holds", "prompt_wait", "ceiling_tokens_per_second", "borrowed_tokens", "may_borrow")
+    __slots__ = ("name", "user", "limit_tokens_per_second", "tat_lead", "next_token_in", "tokens_charged", "refunds", "throttled_skips", "throttled_preemptions", "running_requests", "throttled_requests", "recent_tokens_per_second", "limit_source", "tier", "shadow_skips", "pacing_mode", "store", "engine_late", "weight", "fair_share_service", "fair_share_preemptions", "fair_share", "fair_share_backlogged", "fair_share_lead", "prompt_limit_tokens_per_second", "prompt_tat_lead", "prompt_next_token_in", "prompt_tokens_charged", "prompt_held_skips", "prompt_shadow_holds", "prompt_wait", "ceiling_tokens_per_second", "borrowed_tokens", "may_borrow", "band")
     class LimitSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         LIMIT_SOURCE_UNSPECIFIED: _ClassVar[UserState.LimitSource]
@@ -175,6 +195,7 @@ class UserState(_message.Message):
     CEILING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BORROWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAY_BORROW_FIELD_NUMBER: _ClassVar[int]
+    BAND_FIELD_NUMBER: _ClassVar[int]
     name: str
     user: str
     limit_tokens_per_second: int
@@ -209,7 +230,8 @@ class UserState(_message.Message):
     ceiling_tokens_per_second: int
     borrowed_tokens: int
     may_borrow: bool
-    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., weight: _Optional[float] = ..., fair_share_service: _Optional[float] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share: _Optional[bool] = ..., fair_share_backlogged: _Optional[bool] = ..., fair_share_lead: _Optional[float] = ..., prompt_limit_tokens_per_second: _Optional[int] = ..., prompt_tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_tokens_charged: _Optional[int] = ..., prompt_held_skips: _Optional[int] = ..., prompt_shadow_holds: _Optional[int] = ..., prompt_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ceiling_tokens_per_second: _Optional[int] = ..., borrowed_tokens: _Optional[int] = ..., may_borrow: _Optional[bool] = ...) -> None: ...
+    band: str
+    def __init__(self, name: _Optional[str] = ..., user: _Optional[str] = ..., limit_tokens_per_second: _Optional[int] = ..., tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., tokens_charged: _Optional[int] = ..., refunds: _Optional[int] = ..., throttled_skips: _Optional[int] = ..., throttled_preemptions: _Optional[int] = ..., running_requests: _Optional[int] = ..., throttled_requests: _Optional[int] = ..., recent_tokens_per_second: _Optional[float] = ..., limit_source: _Optional[_Union[UserState.LimitSource, str]] = ..., tier: _Optional[str] = ..., shadow_skips: _Optional[int] = ..., pacing_mode: _Optional[_Union[PacingMode.Mode, str]] = ..., store: _Optional[_Union[StoreView, _Mapping]] = ..., engine_late: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., weight: _Optional[float] = ..., fair_share_service: _Optional[float] = ..., fair_share_preemptions: _Optional[int] = ..., fair_share: _Optional[bool] = ..., fair_share_backlogged: _Optional[bool] = ..., fair_share_lead: _Optional[float] = ..., prompt_limit_tokens_per_second: _Optional[int] = ..., prompt_tat_lead: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_next_token_in: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_tokens_charged: _Optional[int] = ..., prompt_held_skips: _Optional[int] = ..., prompt_shadow_holds: _Optional[int] = ..., prompt_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ceiling_tokens_per_second: _Optional[int] = ..., borrowed_tokens: _Optional[int] = ..., may_borrow: _Optional[bool] = ..., band: _Optional[str] = ...) -> None: ...
 
 class TeamState(_message.Message):
     __slots__ = ("name", "team", "tokens_per_second", "weight", "budget_tokens", "tat_lead", "next_token_in", "member_count", "running_members", "throttled_members", "tokens_charged", "throttled_steps", "fair_share_service", "prompt_tokens_per_second")

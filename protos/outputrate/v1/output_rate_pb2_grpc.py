@@ -311,8 +311,8 @@ class OutputRateControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReplaceLimitsTable(self, request, context):
-        """Replaces the default, every entry, every tier and every team in one
-        atomic change.
+        """Replaces the default, every entry, every tier, every team, the bands and
+        the objectives in one atomic change.
         With a non-empty `etag` that is not the current one, changes nothing:
         ABORTED.
         """
