@@ -85,7 +85,8 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
     """What the metrics payload of ``scheduler`` (an ``OutputRateSchedulerMixin``)
     reports that can change without a step: control-plane counters (every limit
     change bumps ``limit_changes``), the default limits (output, prompt and
-    ceiling) and whether any holder has a ceiling, the event totals, the
+    ceiling) and whether any holder has a ceiling, the bands' waiting requests,
+    the event totals, the
     tracked users, the fair-share switch (a store may switch it without an RPC
     here) and, with a store, its traffic and state (an idle engine's
     claimer still sends heartbeats, and the store may stop answering). Equal
@@ -103,7 +104,7 @@ def fingerprint(scheduler: Any) -> tuple[object, ...]:
         shared.prompt.limiter.default_rate,
         shared.ceilings.table.default_rate,
         shared.ceilings.active,
-        scheduler._steps.band_stats.fingerprint(),
+        scheduler.output_rate_band_stats.fingerprint(),
         dataclasses.astuple(scheduler.accounting.total),
         scheduler.limiter.tracked_users(),
         shared.fair_share.enabled,

@@ -50,6 +50,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from engine_ext import payload_builder
 from engine_ext.request_tracing import with_throttle_headers
+from engine_ext.scheduling.band_stats import BandStats
 from engine_ext.scheduling.idle_users import IdleUsers
 from engine_ext.scheduling.request_hooks import RequestHooks
 from engine_ext.scheduling.steps import Steps
@@ -213,6 +214,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
     def accounting(self) -> Accounting:
         """The per-user counters; the facade (``output_rate_shared``) holds them."""
         return self.output_rate_shared.accounting
+
+    @property
+    def output_rate_band_stats(self) -> BandStats:
+        """The bands' waiting requests and wait time (for the metrics)."""
+        return self._steps.band_stats
 
     @property
     def next_ready_ns(self) -> int | None:
@@ -458,8 +464,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                             ),
                             live=self._users.live,
                             now_ns=now_ns,
-                            # The steps' BandStats (engine_ext.scheduling.band_stats).
-                            queue=self._steps.band_stats,
+                            queue=self.output_rate_band_stats,
                         ),
                     )
                 payload_builder.attach(stats, payload)

@@ -204,6 +204,7 @@ def test_the_fingerprint_changes_when_fair_share_is_switched_without_an_rpc():
         output_rate_shared=shared,
         limiter=shared.limiter,
         accounting=shared.accounting,
+        output_rate_band_stats=SimpleNamespace(fingerprint=lambda: None),
     )
     before = idle_stats.fingerprint(scheduler)
     shared.fair_share.enabled = True
