@@ -14,17 +14,23 @@ import pytest
 from engine_ext.scheduling.bands import MIN_RUN_TOKENS
 from engine_ext.scheduling.upstream import STARTABLE
 from pacing.policy.model import Limits, User
+from tests.scheduling.test_scheduler_fair_share import Backlog
 from tools.scheduler_harness import SYNC_AND_ASYNC, driven_scheduler, make_request
 
 BANDS = ("interactive", "standard", "batch")
 
 
-def banded_scheduler(model_dir, async_scheduling, users, *, fair=False, **kwargs):
+def banded_scheduler(
+    model_dir, async_scheduling, users, *, fair=False, weights=None, **kwargs
+):
     """A scheduler whose policy puts each of ``users`` (user -> band) in its
-    band, everyone else in ``standard``; caps far above what the engine does."""
+    band, everyone else in ``standard``, with fair share (``weights``: user ->
+    its weight); caps far above what the engine does."""
     doc: dict[str, object] = {"default": {"tokens_per_second": 100_000}}
     if fair:
         doc["fair_share"] = True
+    if weights:
+        doc["users"] = {user: {"weight": w} for user, w in weights.items()}
     scheduler, driver = driven_scheduler(
         model_dir,
         async_scheduling,
@@ -38,7 +44,10 @@ def banded_scheduler(model_dir, async_scheduling, users, *, fair=False, **kwargs
         policy,
         bands=BANDS,
         default=dataclasses.replace(policy.default, band="standard"),
-        users={user: User(Limits(band=band)) for user, band in users.items()},
+        users={
+            user: User(Limits(band=band, weight=(weights or {}).get(user)))
+            for user, band in users.items()
+        },
     )
     return scheduler, driver
 
@@ -208,3 +217,35 @@ def test_bands_refuse_priority_scheduling(tiny_model_dir):
         policy="priority",
     )
     assert not scheduler._steps.bands.active()
+
+
+@SYNC_AND_ASYNC
+def test_within_a_band_weights_give_that_service_ratio(
+    tiny_model_dir, async_scheduling
+):
+    """An interactive user's 4 streams above four batch users of weights
+    1:2:3:4 with 12 streams each, 20 slots, 10,000 steps: the interactive
+    user keeps its four slots (4 tokens a step), and each batch user's share
+    of the rest is its weight's share within +-5 % (the bound of fair share
+    alone, ``test_weights_give_that_service_ratio``)."""
+    weights = {"w1": 1, "w2": 2, "w3": 3, "w4": 4}
+    users = {"i": "interactive", **dict.fromkeys(weights, "batch")}
+    scheduler, driver = banded_scheduler(
+        tiny_model_dir,
+        async_scheduling,
+        users,
+        fair=True,
+        weights=weights,
+        max_num_seqs=20,
+    )
+    backlog = Backlog(
+        scheduler, driver, {"i": 4, **dict.fromkeys(weights, 12)}, max_tokens=300
+    )
+    steps = 10_000
+    for _ in range(steps):
+        backlog.step()
+    assert backlog.tokens["i"] >= 4 * steps * 0.97  # its prefills aside
+    batch = sum(backlog.tokens[u] for u in weights)
+    for user, weight in weights.items():
+        share = backlog.tokens[user] / batch
+        assert share == pytest.approx(weight / 10, rel=0.05), (user, share)
