@@ -179,12 +179,18 @@ class Borrowing:
         return taken + borrowed, left + lendable
 
     def take_each(self, counts: Mapping[str, int], now_ns: int) -> dict[str, int]:
-        """Charges each user's own budget as far as it goes and the rest to its
-        borrow cell (a free step's charges: each user was known to have them)."""
+        """Charges each user's own budget as far as it goes and, while the
+        engine is spare for it, the rest to its borrow cell (a free step's
+        charges: each user was known to have them)."""
         own: dict[str, int] = {}
         lent: dict[str, int] = {}
         for user, count in counts.items():
-            if count and self.ceiling_of(user) and self._borrow_rate(user, now_ns):
+            if (
+                count
+                and self.spare_for(user)
+                and self.ceiling_of(user)
+                and self._borrow_rate(user, now_ns)
+            ):
                 has = self.base.available(user, now_ns)
                 if has < count:
                     own[user] = has
@@ -196,7 +202,7 @@ class Borrowing:
             more = self.cells.take_each(lent, now_ns)
             for user, count in lent.items():
                 self.accounting.record(user, "borrowed_tokens", count)
-                remaining[user] += more[user] if self.spare_for(user) else 0
+                remaining[user] += more[user]
         return remaining
 
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:

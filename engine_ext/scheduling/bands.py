@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 #: Output tokens a request samples after it resumes before it may yield its
 #: slot to a higher band again.
 MIN_RUN_TOKENS = 16
+#: Users whose band is cached at most (then the cache starts over).
+_MAX_CACHED_USERS = 65_536
 #: Why bands do not run under PRIORITY scheduling.
 PRIORITY_REFUSAL = (
     "bands order the waiting queue by band; --scheduling-policy priority keeps "
@@ -87,7 +89,8 @@ class BandSteps:
         self.request_band: dict[str, int] = {}
         #: request id -> output tokens it must reach before it may yield again.
         self.floor: dict[str, int] = {}
-        #: (table, user -> band) of the current step.
+        #: (table, user -> band) while that table is in force (a change of
+        #: membership or band comes with a new table).
         self._cache: tuple[BandTable, dict[str, int]] | None = None
 
     def active(self) -> bool:
@@ -107,6 +110,8 @@ class BandSteps:
         if cache is None or cache[0] is not table:
             cache = self._cache = (table, {})
         users = cache[1]
+        if len(users) > _MAX_CACHED_USERS:
+            users.clear()
         user = self.book.user_of.get(request.request_id, ANONYMOUS_USER)
         band = users.get(user)
         if band is None:
@@ -130,42 +135,44 @@ class BandSteps:
         upstream = self.upstream
         if upstream.waiting_count() == 0:
             return
-        self._cache = None
         band_of = self.band_of
         waiting = list(upstream.waiting)
         bands = [band_of(r) for r in waiting]
-        self._yield_to_higher(waiting, bands, can_start)
-        if order:
-            waiting = list(upstream.waiting)
-            keys = [band_of(r) for r in waiting]
-            if any(a > b for a, b in pairwise(keys)):
-                ranks = sorted(range(len(waiting)), key=keys.__getitem__)
-                upstream.reorder_waiting([waiting[i] for i in ranks])
+        if self._yield_to_higher(waiting, bands, can_start):
+            waiting = list(upstream.waiting)  # the victims joined it
+            bands = [band_of(r) for r in waiting]
+        if order and any(a > b for a, b in pairwise(bands)):
+            ranks = sorted(range(len(waiting)), key=bands.__getitem__)
+            upstream.reorder_waiting([waiting[i] for i in ranks])
 
     def _yield_to_higher(
         self,
         waiting: list[Request],
         bands: list[int],
         can_start: Callable[[str], bool],
-    ) -> None:
+    ) -> bool:
+        """Preempts for the waiting requests the free slots cannot take;
+        whether any request yielded. The cheap checks come first: most steps
+        of a saturated engine have nothing to move."""
         upstream = self.upstream
         free = max(0, upstream.slots - upstream.held_slots())
+        if len(waiting) <= free:
+            return False  # every waiting request finds a slot
+        best = min(bands)
+        running = [(r, self.band_of(r)) for r in upstream.running]
+        if max((band for _, band in running), default=-1) <= best:
+            return False  # nothing runs below the best waiting band
         user_of = self.book.user_of
         receivers = sorted(
-            (
-                (band, i)
-                for i, (request, band) in enumerate(zip(waiting, bands, strict=True))
-                if request.status in STARTABLE
-                and can_start(user_of.get(request.request_id, ANONYMOUS_USER))
-            ),
+            (band, i)
+            for i, (request, band) in enumerate(zip(waiting, bands, strict=True))
+            if request.status in STARTABLE
+            and can_start(user_of.get(request.request_id, ANONYMOUS_USER))
         )
         # Each victim frees a slot and a place under the active cap.
         wanting = receivers[free:]
         if not wanting:
-            return
-        running = [(r, self.band_of(r)) for r in upstream.running]
-        if max((band for _, band in running), default=-1) <= wanting[0][0]:
-            return  # nothing runs below the best waiting band
+            return False
         held_by: dict[tuple[int, str], int] = {}
         candidates: list[tuple[int, str, Request]] = []
         floor = self.floor
@@ -176,6 +183,7 @@ class BandSteps:
                 request.request_id, 0
             ) and upstream.blocks_can_be_freed(request):
                 candidates.append((band, user, request))
+        yielded = False
         for band, _ in wanting:
             victim = _best_victim(candidates, held_by, band)
             if victim is None:
@@ -184,6 +192,8 @@ class BandSteps:
             candidates.remove(victim)
             held_by[(victim_band, victim_user)] -= 1
             upstream.preempt(request)
+            yielded = True
+        return yielded
 
 
 def _best_victim(

@@ -17,6 +17,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -289,7 +290,7 @@ def test_an_interactive_user_streams_ahead_of_a_saturated_batch_band(
     batch_tokens, inter_tokens = 1900, 1900
     users = (INTERACTIVE, *BATCH)
 
-    async def scenario():
+    async def scenario(watched: Watched):
         url, model = cos_server.base_url, cos_server.model
         async with httpx.AsyncClient(base_url=url, timeout=120) as control:
             # The batch is taken while the engine is paused (vLLM's dev-mode
@@ -302,7 +303,9 @@ def test_an_interactive_user_streams_ahead_of_a_saturated_batch_band(
             batch = asyncio.create_task(_completions(cos_server, batch_tokens))
             await _wait_load(control, sum(BATCH.values()))
             await _resume(control)
-            await asyncio.sleep(0.5)
+            # Paused again as soon as both batch users are served (the slots
+            # are full of batch from the first step).
+            await _served(watched, BATCH)
             await _pause(control)
             before = await _load(control)
             inter = asyncio.create_task(
@@ -316,7 +319,7 @@ def test_an_interactive_user_streams_ahead_of_a_saturated_batch_band(
     # schedule (``WatchUserStates``): however late a loaded machine delivers
     # them, the sequence has no gaps.
     with Watched(cos_server.control_address or "", users) as watched:
-        inter, batch = asyncio.run(scenario())
+        inter, batch = asyncio.run(scenario(watched))
     assert all(r.completion_tokens == inter_tokens for r in inter)
     assert batch == [batch_tokens] * sum(BATCH.values())
     totals = {INTERACTIVE: 2 * inter_tokens}
@@ -374,6 +377,15 @@ async def _pause(client: httpx.AsyncClient) -> None:
 
 async def _resume(client: httpx.AsyncClient) -> None:
     (await client.post("/resume")).raise_for_status()
+
+
+async def _served(watched: Watched, users: Iterable[str]) -> None:
+    """Returns once a snapshot shows every one of ``users`` charged."""
+    deadline = time.monotonic() + 120
+    while not (watched.reads and all(watched.reads[-1].charged.get(u) for u in users)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{list(users)} were not served")
+        await asyncio.sleep(0.02)
 
 
 async def _load(client: httpx.AsyncClient) -> int:

@@ -95,7 +95,8 @@ def test_metrics_reach_vllm_metrics_and_prometheus(vllm_server):
         # may add and remove them: such a panel must have data when every tier
         # or team series it reads is exported (a team member streamed in the
         # warm-up, so the teams' do). Store series exist only with a store
-        # configured, which this server has not: the same rule.
+        # configured, ceiling and band series only while the policy has
+        # ceilings or bands, which this server's has not: the same rule.
         metrics_text = httpx.get(vllm_server.base_url + "/metrics", timeout=10).text
         samples = [
             sample
@@ -109,7 +110,10 @@ def test_metrics_reach_vllm_metrics_and_prometheus(vllm_server):
         empty = []
         for title, expr in dashboard_queries():
             optional = set(
-                re.findall(r"vllm:output_rate_(?:tier|team|store)_\w+", expr)
+                re.findall(
+                    r"vllm:output_rate_(?:tier|team|store|band|ceiling|borrow)\w+",
+                    expr,
+                )
             )
             if optional - exported:
                 continue
