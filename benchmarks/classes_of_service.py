@@ -66,7 +66,13 @@ from typing import Any
 
 import httpx
 
-from benchmarks.compare_stock import _user, check_servers, cpu_timer, machine
+from benchmarks.compare_stock import (
+    _user,
+    check_servers,
+    cpu_timer,
+    machine,
+    start_checked,
+)
 from benchmarks.prompt_budgets import Prompts, wait_idle
 from benchmarks.table import (
     Row,
@@ -499,34 +505,18 @@ async def _throughput_run(server: VllmServer, prompts: Prompts) -> float:
     return sum(r.completion_tokens for r in results) / (time.monotonic() - started)
 
 
-def _start(
-    model_dir: str, workdir: Path, name: str, block: int, extra: list[str]
-) -> VllmServer:
-    policy = THROUGHPUT_SIDES[name]
-    args = server_args(extra)
-    if policy is not None:
-        args = ["--output-rate-policy", json.dumps(policy), *args]
-    server = start_server(
-        model_dir,
-        workdir / f"throughput-{block}-{name}.log",
-        args,
-        stock=policy is None,
-    )
-    try:
-        check_servers(None, server) if policy is None else check_servers(server, None)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 def throughput_part(
     model_dir: str, workdir: Path, runs: int, extra: list[str]
 ) -> tuple[list[Row], dict]:
     prompts = Prompts()
     figures: dict[str, list[float]] = {name: [] for name in THROUGHPUT_SIDES}
     for block, name in enumerate(THROUGHPUT_ORDER):
-        server = _start(model_dir, workdir, name, block, extra)
+        server = start_checked(
+            model_dir,
+            workdir / f"throughput-{block}-{name}.log",
+            THROUGHPUT_SIDES[name],
+            server_args(extra),
+        )
         try:
             asyncio.run(_throughput_run(server, prompts))  # warm-up, not kept
             for _ in range(runs):

@@ -42,7 +42,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -485,6 +485,24 @@ def start_servers(
         if server is not None and cpus:
             server.confine(cpus)
     return servers
+
+
+def start_checked(
+    model_dir: str, log_path: Path, policy: dict | None, args: Sequence[str]
+) -> VllmServer:
+    """Our server on ``policy`` (``--output-rate-policy``), or stock vLLM when
+    ``policy`` is None, with ``args``; proven to be what it is
+    (``check_servers``), stopped again if it is not."""
+    args = list(args)
+    if policy is not None:
+        args = ["--output-rate-policy", json.dumps(policy), *args]
+    server = start_server(model_dir, log_path, args, stock=policy is None)
+    try:
+        check_servers(None, server) if policy is None else check_servers(server, None)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def check_servers(paced: VllmServer, stock: VllmServer | None) -> dict[str, str]:
