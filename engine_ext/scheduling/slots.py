@@ -49,9 +49,9 @@ class SlotYielding:
         self.upstream = upstream
         #: Requests preempted to yield their slot, until next dispatched to sample.
         self.yielded: set[str] = set()
-        #: Whether a user's rate is guaranteed (it has a ceiling:
-        #: ``pacing.ceilings``); None: nobody's is.
-        self.guaranteed: Callable[[str], bool] | None = None
+        #: A user's ceiling (``pacing.ceilings``): nonzero, its rate is
+        #: guaranteed; None: nobody's is.
+        self.guaranteed: Callable[[str], int] | None = None
         #: The rate's burst: a next token due within it keeps the slot.
         self.burst_ns = 0
 

@@ -178,9 +178,7 @@ class Steps:
             self.seen_limit_changes != budget.limit_changes
             or budget is not self.seen_budget
         )
-        self.slots.guaranteed = (
-            None if borrowing is None else lambda user: bool(borrowing.ceiling_of(user))
-        )
+        self.slots.guaranteed = None if borrowing is None else borrowing.ceiling_of
         if limit_changed:  # every user's headroom may have shrunk
             self.seen_limit_changes = budget.limit_changes
             self.seen_budget = budget
