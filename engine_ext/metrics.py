@@ -366,12 +366,12 @@ _DOCS = {
     "its tier's, its team's or the default). Series exist while the policy has "
     "more than one band.",
     BAND_WAIT_SECONDS: "Time requests of a band spent in the waiting queue, "
-    "measured at step starts and counted when each starts or ends, in the band "
-    "its request was in; its rate is the average number of the band's requests "
-    "waiting.",
+    "from arrival (or the step that preempted it) to the start of the step that "
+    "scheduled it (or its end), counted then, in the band its request was in; "
+    "its rate is the average number of the band's requests waiting.",
     BAND_WAITING_REQUESTS: "Startable requests (waiting or preempted) of a band "
-    "in the engine's waiting queue at its last step start, less those ended "
-    "since; no sample with pacing off.",
+    "in the engine's waiting queue when the engine reported; no sample with "
+    "pacing off.",
     BAND_FAIRNESS: "Jain's fairness index, (sum x)^2 / (n sum x^2), over the "
     "band's users with live requests on the engine of x = output tokens "
     "dispatched per second over the last 10 s divided by the user's weight: 1 "

@@ -109,8 +109,8 @@ class BandQueue(Protocol):
 
     @property
     def queued(self) -> Mapping[str, int] | None:
-        """band name -> startable waiting requests at the last step start (less
-        those ended since); None: no step start counted yet."""
+        """band name -> startable requests in the waiting queue now; None:
+        the policy had no bands at the last step start."""
 
     @property
     def wait_ns(self) -> Mapping[str, int]:
@@ -493,7 +493,7 @@ class PayloadBuilder:
         """The bands' entry: every band's name, the tokens charged to each
         band's users (each user's events in its band now) and the waits counted
         since the previous build (from zero for a queue not reported before),
-        and while ``mode`` paces the waiting requests at the last step start
+        and while ``mode`` paces the waiting requests now
         (none while nobody has live requests) and the fairness per band."""
         names = bands.table.names
         queue = bands.queue

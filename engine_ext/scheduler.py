@@ -274,7 +274,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
                     request_id,
                     objective,
                 )
-        self._steps.prompt.add(request)
+        self._steps.request_added(request)
 
     def _free_request(
         self, request: Request, delay_free_blocks: bool = False
@@ -284,9 +284,10 @@ class OutputRateSchedulerMixin(_SchedulerBase):
             self._gateway_team_requests.remove(request_id)
             with self.output_rate_shared.lock:
                 self.output_rate_shared.teams.leave_request(self.user_of(request))
+        # The steps first: a request's band is its user's (``BandSteps``).
+        throttled = self._steps.request_ended(request_id)
         self._users.remove(request_id, paced=self.limiter.enabled)
         self._identity.request_ended(request_id)
-        throttled = self._steps.request_ended(request_id)
         if throttled is not None:
             # Read back by the API process when it builds the request's span.
             request.trace_headers = with_throttle_headers(
@@ -360,9 +361,7 @@ class OutputRateSchedulerMixin(_SchedulerBase):
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self._request_hooks.preempting(request)
-        self._steps.bands.preempted(request)
-        if self.output_rate_shared.fair_share.enabled:
-            self._steps.fair.preempted(request)
+        self._steps.preempted(request)
         super()._preempt_request(request, *args, **kwargs)
 
     def _bind_step_hooks(self, hooks: tuple[Callable[..., object], ...]) -> None:

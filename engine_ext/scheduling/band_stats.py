@@ -1,56 +1,44 @@
-"""The waiting queue per priority band, for the metrics: what each step's start
-finds waiting, and how long requests waited (``pacing.bands``; the payload
+"""The waiting queue per priority band, for the metrics: how many requests of
+each band wait, and how long they waited (``pacing.bands``; the payload
 carries it, ``engine_ext.payload_builder``).
 
-While the policy has more than one band, every step's start (``step_start``,
-before bands or fair share reorder or preempt anything) walks the waiting
-queue once:
+While the policy has more than one band (as of the last step's start):
 
 - *Queued* (``queued``): the startable requests (waiting or preempted, not
-  awaiting a KV transfer or a grammar) per band name, by ``BandSteps.band_of``
-  (a request's objective band, else its user's). A request that ends before
-  the next step starts leaves the count at once (``request_ended``): an engine
-  that goes idle does not keep reporting it.
-- *Wait*: a request's stay in the waiting queue runs from the step start that
-  first finds it there (a preempted one: from the step before, which preempted
-  it) to the last step start that finds it there (the step that starts it), and
-  is counted, in its band then, once it is gone: at the next step's start, or
-  when it ends (``request_ended``). Each stay counts (a preempted request waits
-  again). Time awaiting a KV transfer or a grammar in the queue counts too.
-  Requests are added and ended between steps and the next step starts right
-  after, so a stay is measured to within one step's gap.
+  awaiting a KV transfer or a grammar) in the waiting queue per band name, by
+  ``BandSteps.bands_of`` (a request's objective band, else its user's),
+  counted when it is read: each payload build, never on the step path.
+- *Wait*: a request's stay in the waiting queue runs from its arrival (a
+  preempted one: from the start of the step that preempted it) to the start of
+  the step that schedules it, or to its end if it ends waiting, and is counted
+  then, in its band then. Each stay counts (a preempted request waits again).
+  Time awaiting a KV transfer or a grammar in the queue counts too. A stay
+  that began while the policy had no bands is not counted.
 
 ``wait_ns`` is cumulative per band name; a band the policy drops loses its
 count (one that comes back starts from zero). Without bands nothing is kept.
 
-Cost: O(waiting requests) per step start, only while the policy has bands.
+Cost on the step path: O(1) per step start, arrival, preemption and end, and
+O(requests started) per step, only while the policy has bands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
 
 from engine_ext.scheduling.upstream import STARTABLE, Upstream
 from pacing.bands import BandTable
 
-if TYPE_CHECKING:
-    from engine_ext.scheduling.upstream import Request
-
-#: ``STARTABLE`` is (waiting, preempted).
-_PREEMPTED = STARTABLE[1]
-
 
 class BandStats:
-    """The waiting queue per band at each step's start (the shared lock is held)."""
+    """Per-band waits and the waiting queue per band (the engine thread's)."""
 
     __slots__ = (
-        "_band_of",
+        "_bands_of",
         "_names",
-        "_seen",
+        "_since",
         "_table",
-        "last_step_ns",
-        "queued",
+        "step_ns",
         "upstream",
         "wait_ns",
     )
@@ -59,78 +47,78 @@ class BandStats:
         self,
         upstream: Upstream,
         table: Callable[[], BandTable],
-        band_of: Callable[[Request], int],
+        bands_of: Callable[[Sequence[str]], list[int]],
     ) -> None:
         self.upstream = upstream
         self._table = table
-        self._band_of = band_of
-        #: band name -> startable requests in the waiting queue at the last
-        #: step start, less those ended since; None: no step start has
-        #: counted (or the policy has no bands).
-        self.queued: dict[str, int] | None = None
+        self._bands_of = bands_of
         #: band name -> ns requests of the band waited, cumulative.
         self.wait_ns: dict[str, int] = {}
-        #: When the last step started that counted; None: none yet.
-        self.last_step_ns: int | None = None
-        #: request id -> (when its stay in the queue began, its band, whether
-        #: it was startable), for the requests the last step start found.
-        self._seen: dict[str, tuple[int, str, bool]] = {}
+        #: When the last step started, while the policy had bands then; None:
+        #: no such step (nothing is counted).
+        self.step_ns: int | None = None
+        #: request id -> when its stay in the waiting queue began.
+        self._since: dict[str, int] = {}
         #: The band names counted for (the table's at the last step start).
         self._names: tuple[str, ...] = ()
 
     def step_start(self, now_ns: int) -> None:
-        """Counts the waiting queue at a step's start; settles the stays of the
-        requests that left it since the previous one."""
+        """A step starts: stays are counted while the policy has bands."""
         table = self._table()
         if not table.active:
-            if self.last_step_ns is not None:
-                self.queued, self.last_step_ns = None, None
-                self._seen = {}
+            if self.step_ns is not None:
+                self.step_ns, self._since = None, {}
             return
         names = table.names
         if names != self._names:
             self._names = names
             self.wait_ns = {n: ns for n, ns in self.wait_ns.items() if n in names}
-        previous_ns = self.last_step_ns
-        before = self._seen
-        seen: dict[str, tuple[int, str, bool]] = {}
-        counts = dict.fromkeys(names, 0)
-        last = len(names) - 1
-        band_of = self._band_of
-        for request in self.upstream.waiting:
-            status = request.status
-            startable = status in STARTABLE
-            name = names[min(band_of(request), last)]
-            if startable:
-                counts[name] += 1
-            stay = before.get(request.request_id)
-            if stay is not None:
-                since = stay[0]
-            elif status is _PREEMPTED and previous_ns is not None:
-                since = previous_ns  # preempted in the previous step
-            else:
-                since = now_ns
-            seen[request.request_id] = (since, name, startable)
-        if previous_ns is not None:
-            for request_id, (since, name, _) in before.items():
-                if request_id not in seen:  # started by the previous step
-                    self._add(name, previous_ns - since)
-        self._seen = seen
-        self.queued = counts
-        self.last_step_ns = now_ns
+        self.step_ns = now_ns
 
-    def request_ended(self, request_id: str) -> None:
-        """Settles an ended request's stay, if the last step start found it
-        waiting (it waited until then, or started in that step), and takes it
-        out of the waiting count."""
-        stay = self._seen.pop(request_id, None)
-        if stay is None or self.last_step_ns is None:
+    def added(self, request_id: str, now_ns: int) -> None:
+        """A request arrived in the waiting queue."""
+        if self.step_ns is not None:
+            self._since[request_id] = now_ns
+
+    def preempted(self, request_id: str) -> None:
+        """A running request went back to the waiting queue in this step."""
+        if self.step_ns is not None:
+            self._since[request_id] = self.step_ns
+
+    def started(self, request_ids: Iterable[str]) -> None:
+        """The step that started at ``step_ns`` scheduled these requests from
+        the waiting queue: their stays end."""
+        since = self._since
+        step_ns = self.step_ns
+        if step_ns is None or not since:
             return
-        since, name, startable = stay
-        self._add(name, self.last_step_ns - since)
-        queued = self.queued
-        if startable and queued is not None and queued.get(name, 0) > 0:
-            queued[name] -= 1
+        for request_id in request_ids:
+            began = since.pop(request_id, None)
+            if began is not None:
+                self._add(request_id, step_ns - began)
+
+    def request_ended(self, request_id: str, now_ns: int) -> None:
+        """A request ended; if it ended waiting, its stay ends now."""
+        began = self._since.pop(request_id, None)
+        if began is not None:
+            self._add(request_id, now_ns - began)
+
+    @property
+    def queued(self) -> dict[str, int] | None:
+        """band name -> startable requests in the waiting queue now; None
+        while the policy has no bands."""
+        if self.step_ns is None:
+            return None
+        names = self._names
+        counts = dict.fromkeys(names, 0)
+        startable = [
+            request.request_id
+            for request in self.upstream.waiting
+            if request.status in STARTABLE
+        ]
+        for band in self._bands_of(startable):
+            counts[names_at(band, names)] += 1
+        return counts
 
     def fingerprint(self) -> tuple[object, ...]:
         """What the payload reports of the bands' queue (for the idle
@@ -141,6 +129,13 @@ class BandStats:
             tuple(self.wait_ns.items()),
         )
 
-    def _add(self, name: str, ns: int) -> None:
-        if ns > 0 and name in self._names:  # not a band dropped since
-            self.wait_ns[name] = self.wait_ns.get(name, 0) + ns
+    def _add(self, request_id: str, ns: int) -> None:
+        if ns <= 0:
+            return
+        name = names_at(self._bands_of((request_id,))[0], self._names)
+        self.wait_ns[name] = self.wait_ns.get(name, 0) + ns
+
+
+def names_at(band: int, names: tuple[str, ...]) -> str:
+    """The name of band index ``band`` (the lowest band for an index beyond)."""
+    return names[min(band, len(names) - 1)]

@@ -30,8 +30,7 @@ Invariant: no request yields to one of its own or a lower band.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from itertools import pairwise
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.upstream import STARTABLE, Upstream
@@ -59,7 +58,9 @@ class BandSteps:
     """Bands around one scheduler's steps (the shared lock is held)."""
 
     __slots__ = (
-        "_cache",
+        "_by_request",
+        "_by_user",
+        "_cached_table",
         "book",
         "floor",
         "request_band",
@@ -89,9 +90,13 @@ class BandSteps:
         self.request_band: dict[str, int] = {}
         #: request id -> output tokens it must reach before it may yield again.
         self.floor: dict[str, int] = {}
-        #: (table, user -> band) while that table is in force (a change of
-        #: membership or band comes with a new table).
-        self._cache: tuple[BandTable, dict[str, int]] | None = None
+        #: The table the caches below were filled under (a change of
+        #: membership or band comes with a new table, and empties them).
+        self._cached_table: BandTable | None = None
+        #: request id -> its band, for the live requests looked up.
+        self._by_request: dict[str, int] = {}
+        #: user -> its band.
+        self._by_user: dict[str, int] = {}
 
     def active(self) -> bool:
         """Whether bands order this step: more than one band, FCFS scheduling
@@ -101,28 +106,55 @@ class BandSteps:
 
     def band_of(self, request: Request) -> int:
         """``request``'s band index (0: the highest)."""
+        self._current_table()
+        band = self._by_request.get(request.request_id)
+        return self._learned(request.request_id) if band is None else band
+
+    def bands_of(self, request_ids: Sequence[str]) -> list[int]:
+        """The band index of each of ``request_ids``, in order (one table
+        check, then a dict read per request: the step's walks call this)."""
+        self._current_table()
+        bands = list(map(self._by_request.get, request_ids))
+        if None in bands:
+            learned = self._learned
+            return [
+                learned(request_id) if band is None else band
+                for request_id, band in zip(request_ids, bands, strict=True)
+            ]
+        return bands  # type: ignore[return-value]
+
+    def _current_table(self) -> BandTable:
         table = self.table()
-        band = self.request_band.get(request.request_id)
-        # The gateway's band, unless a reload left fewer bands than it names.
-        if band is not None and band < len(table.names):
-            return band
-        cache = self._cache
-        if cache is None or cache[0] is not table:
-            cache = self._cache = (table, {})
-        users = cache[1]
-        if len(users) > _MAX_CACHED_USERS:
-            users.clear()
-        user = self.book.user_of.get(request.request_id, ANONYMOUS_USER)
-        band = users.get(user)
-        if band is None:
-            band = users[user] = table.index_of(
-                user, self.tier_of(user), self.team_of(user)
-            )
+        if table is not self._cached_table:
+            self._cached_table = table
+            self._by_request = {}
+            self._by_user = {}
+        return table
+
+    def _learned(self, request_id: str) -> int:
+        """The band of ``request_id`` under the cached table: the gateway's
+        objective band (unless a reload left fewer bands than it names), else
+        its user's; remembered until the request ends."""
+        table = self._cached_table
+        assert table is not None
+        band = self.request_band.get(request_id)
+        if band is None or band >= len(table.names):
+            user = self.book.user_of.get(request_id, ANONYMOUS_USER)
+            by_user = self._by_user
+            band = by_user.get(user)
+            if band is None:
+                if len(by_user) >= _MAX_CACHED_USERS:
+                    by_user.clear()
+                band = by_user[user] = table.index_of(
+                    user, self.tier_of(user), self.team_of(user)
+                )
+        self._by_request[request_id] = band
         return band
 
     def request_ended(self, request_id: str) -> None:
         self.request_band.pop(request_id, None)
         self.floor.pop(request_id, None)
+        self._by_request.pop(request_id, None)
 
     def preempted(self, request: Request) -> None:
         """Any preemption: the request must sample ``MIN_RUN_TOKENS`` after it
@@ -135,13 +167,12 @@ class BandSteps:
         upstream = self.upstream
         if upstream.waiting_count() == 0:
             return
-        band_of = self.band_of
         waiting = list(upstream.waiting)
-        bands = [band_of(r) for r in waiting]
+        bands = self.bands_of([r.request_id for r in waiting])
         if self._yield_to_higher(waiting, bands, can_start):
             waiting = list(upstream.waiting)  # the victims joined it
-            bands = [band_of(r) for r in waiting]
-        if order and any(a > b for a, b in pairwise(bands)):
+            bands = self.bands_of([r.request_id for r in waiting])
+        if order and bands != sorted(bands):
             ranks = sorted(range(len(waiting)), key=bands.__getitem__)
             upstream.reorder_waiting([waiting[i] for i in ranks])
 
@@ -152,31 +183,45 @@ class BandSteps:
         can_start: Callable[[str], bool],
     ) -> bool:
         """Preempts for the waiting requests the free slots cannot take;
-        whether any request yielded. The cheap checks come first: most steps
-        of a saturated engine have nothing to move."""
+        whether any request yielded. The cheap checks come first (most steps
+        of a saturated engine have nothing to move), and only the waiting
+        requests above the lowest running band are looked at: the free slots
+        go to the highest bands first, so those below cannot take a victim."""
         upstream = self.upstream
         free = max(0, upstream.slots - upstream.held_slots())
         if len(waiting) <= free:
             return False  # every waiting request finds a slot
         best = min(bands)
-        running = [(r, self.band_of(r)) for r in upstream.running]
-        if max((band for _, band in running), default=-1) <= best:
+        running = upstream.running
+        running_bands = self.bands_of([r.request_id for r in running])
+        lowest_running = max(running_bands, default=-1)
+        if lowest_running <= best:
             return False  # nothing runs below the best waiting band
-        user_of = self.book.user_of
-        receivers = sorted(
-            (band, i)
-            for i, (request, band) in enumerate(zip(waiting, bands, strict=True))
-            if request.status in STARTABLE
-            and can_start(user_of.get(request.request_id, ANONYMOUS_USER))
+        # The receivers in band order: the first ``free`` take the free slots,
+        # each one after them may free a slot (and a place under the active
+        # cap) of a lower band.
+        above = sorted(
+            (band, i) for i, band in enumerate(bands) if band < lowest_running
         )
-        # Each victim frees a slot and a place under the active cap.
+        if len(above) <= free:
+            return False
+        user_of = self.book.user_of
+        receivers: list[int] = []
+        for band, i in above:
+            request = waiting[i]
+            if request.status in STARTABLE and can_start(
+                user_of.get(request.request_id, ANONYMOUS_USER)
+            ):
+                receivers.append(band)
         wanting = receivers[free:]
         if not wanting:
             return False
         held_by: dict[tuple[int, str], int] = {}
         candidates: list[tuple[int, str, Request]] = []
         floor = self.floor
-        for request, band in running:
+        for request, band in zip(running, running_bands, strict=True):
+            if band <= best:
+                continue  # never a victim
             user = user_of.get(request.request_id, ANONYMOUS_USER)
             held_by[(band, user)] = held_by.get((band, user), 0) + 1
             if request.num_output_tokens >= floor.get(
@@ -184,14 +229,14 @@ class BandSteps:
             ) and upstream.blocks_can_be_freed(request):
                 candidates.append((band, user, request))
         yielded = False
-        for band, _ in wanting:
+        for band in wanting:
             victim = _best_victim(candidates, held_by, band)
             if victim is None:
-                break
-            victim_band, victim_user, request = victim
+                break  # none below this band, nor below the next ones
+            victim_band, victim_user, victim_request = victim
             candidates.remove(victim)
             held_by[(victim_band, victim_user)] -= 1
-            upstream.preempt(request)
+            upstream.preempt(victim_request)
             yielded = True
         return yielded
 

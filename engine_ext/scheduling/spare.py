@@ -19,12 +19,13 @@ are then paced like any user's: refused ones are parked, and parked requests
 yield their slot and KV blocks to the needy (``slots``).
 
 The scan stops at the second needy user (enough to tell anyone's spare), and
-each user's budget is read once per step; the ids of the whole queue are kept.
+each user's budget is read once per step; the whole queue is kept (as a set of
+its requests).
 """
 
 from __future__ import annotations
 
-from engine_ext.scheduling.upstream import STARTABLE, Upstream
+from engine_ext.scheduling.upstream import STARTABLE, Request, Upstream
 from engine_ext.scheduling.users import UserBook
 from pacing.ceilings import Borrowing
 from pacing.identity import ANONYMOUS_USER
@@ -41,8 +42,8 @@ class SpareCapacity:
     def __init__(self, upstream: Upstream, book: UserBook) -> None:
         self.upstream = upstream
         self.book = book
-        #: Ids of the waiting requests scanned at the last step's start.
-        self._waited: set[str] = set()
+        #: The waiting requests at the last step's start.
+        self._waited: set[Request] = set()
 
     def lend(self, borrowing: Borrowing, now_ns: int) -> None:
         """Tells ``borrowing`` this step's needy holders."""
@@ -58,10 +59,9 @@ class SpareCapacity:
         within: dict[str, bool] = {}
         needy: list[str] = []
         for request in upstream.waiting:
-            request_id = request.request_id
-            if request.status not in STARTABLE or not (full or request_id in waited):
+            if request.status not in STARTABLE or not (full or request in waited):
                 continue
-            user = user_of.get(request_id, ANONYMOUS_USER)
+            user = user_of.get(request.request_id, ANONYMOUS_USER)
             if user in needy:
                 continue
             has = within.get(user)
@@ -71,5 +71,5 @@ class SpareCapacity:
                 needy.append(user)
                 if len(needy) >= _ENOUGH:
                     break
-        self._waited = {request.request_id for request in upstream.waiting}
+        self._waited = set(upstream.waiting)
         borrowing.lend_to(needy)

@@ -110,7 +110,7 @@ class Steps:
         )
         self.fair.band_of = self.bands.band_of
         #: Per-band waiting requests and wait time, for the metrics.
-        self.band_stats = BandStats(upstream, lambda: shared.bands, self.bands.band_of)
+        self.band_stats = BandStats(upstream, lambda: shared.bands, self.bands.bands_of)
         #: Ceilings (``spare``): who waits for capacity, so nobody borrows it.
         self.spare = SpareCapacity(upstream, book)
         self.engine_late = EngineLate()
@@ -140,19 +140,37 @@ class Steps:
         self.hooks_bound = paced
         self._bind_hooks(self.hooks.paced() if paced else self.hooks.unpaced())
 
+    def request_added(self, request: Request) -> None:
+        """A request arrived (its user and objective band known)."""
+        self.band_stats.added(request.request_id, self.clock())
+        self.prompt.add(request)
+
+    def preempted(self, request: Request) -> None:
+        """A running request goes back to the waiting queue (any preemption)."""
+        self.bands.preempted(request)
+        self.band_stats.preempted(request.request_id)
+        if self.shared.fair_share.enabled:
+            self.fair.preempted(request)
+
     def request_ended(self, request_id: str) -> tuple[int, float] | None:
         """Forgets a request that ended; returns its steps passed over and
         seconds throttled if it was ever throttled (request tracing on)."""
         self.slots.yielded.discard(request_id)
         self.fair.request_ended(request_id)
+        self.band_stats.request_ended(request_id, self.clock())
         self.bands.request_ended(request_id)
-        self.band_stats.request_ended(request_id)
         self.prompt.ended(request_id, self.clock)
         if not self.episodes:
             return None
         return self.episodes.end(request_id, self.clock())
 
     def schedule(self, throttle_prefills: bool) -> SchedulerOutput:
+        output = self._step(throttle_prefills)
+        if self.band_stats.step_ns is not None:
+            self.band_stats.started(self.upstream.started_ids(output))
+        return output
+
+    def _step(self, throttle_prefills: bool) -> SchedulerOutput:
         book = self.book
         if book.ended:
             self.idle.end_users(self.clock())

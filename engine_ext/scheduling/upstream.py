@@ -150,8 +150,7 @@ class Upstream:
         once), through the queue's own methods."""
         queue = self._scheduler.waiting
         queue.remove_requests(order)
-        for request in order:
-            queue.add_request(request)
+        queue.prepend_requests(reversed(order))  # prepends each: in order
 
     def waiting_count(self) -> int:
         return len(self._scheduler.waiting)
@@ -160,6 +159,16 @@ class Upstream:
         """Slots taken: running requests and those streaming input."""
         scheduler = self._scheduler
         return len(scheduler.running) + scheduler.num_waiting_for_streaming_input
+
+    @staticmethod
+    def started_ids(output: SchedulerOutput) -> list[str]:
+        """The requests ``output``'s step scheduled from the waiting queue: new
+        ones and those resumed after a preemption."""
+        started = [data.req_id for data in output.scheduled_new_reqs]
+        resumed = output.scheduled_cached_reqs.resumed_req_ids
+        if resumed:
+            started.extend(resumed)
+        return started
 
     def requests(self) -> dict[str, Request]:
         """Every request the scheduler knows, by id."""
