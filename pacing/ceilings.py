@@ -17,6 +17,11 @@ Vocabulary (HTB's *rate* and *ceil*):
 - *spare* for a holder: no holder but itself is needy. Only then does it
   borrow; otherwise it gets its own budget alone, from that step on.
 
+Teams, one level up: a team's ceiling gives the team a borrow cell at
+``ceiling - rate`` beside its cell (``TeamLending``), spent once the team's
+rate is, while no user outside the team is needy; its members still hold to
+their own rates and ceilings.
+
 The rate is what a global store shares across engines; the borrow cells are
 this engine's own, so a holder borrows each engine's spare capacity apart.
 
@@ -48,13 +53,17 @@ def sets_ceilings(policy: Policy) -> bool:
 
 class Ceilings:
     """The ceilings of the policy in force (a table only: ``rate_of`` is a
-    user's ceiling) and the borrowing budget over the scheduler's own."""
+    user's ceiling; ``team_ceilings`` the teams'), the borrowing budget over
+    the scheduler's own and the teams' borrow cells."""
 
-    __slots__ = ("_borrowing", "active", "table")
+    __slots__ = ("_borrowing", "_lending", "active", "table", "team_ceilings")
 
     def __init__(self, policy: Policy) -> None:
         self.table = OutputRateLimiter(NO_DEFAULT, {}, table_only=True)
+        #: team -> its ceiling.
+        self.team_ceilings: dict[str, int] = {}
         self._borrowing: Borrowing | None = None
+        self._lending: TeamLending | None = None
         #: Whether any holder has a ceiling: while not, nobody borrows.
         self.active = False
         self.apply(policy, 0)
@@ -65,6 +74,7 @@ class Ceilings:
         if (default or NO_DEFAULT) != self.table.default_rate:
             self.table.set_default_rate(default or NO_DEFAULT, now_ns)
         self.table.replace_limits(policy.limit_table(CEILING), now_ns)
+        self.team_ceilings = dict(policy.team_table(CEILING).rates)
         self.active = sets_ceilings(policy)
         if self._borrowing is not None:
             self._borrowing.limits_changed()
@@ -81,14 +91,30 @@ class Ceilings:
         rate_of: Callable[[str], int],
         accounting: Accounting,
         burst_ns: int,
+        team_of: Callable[[str], str | None] = lambda user: None,
     ) -> Borrowing:
-        """The borrowing budget over ``base`` (the same one while ``base`` is)."""
+        """The borrowing budget over ``base`` (the same one while ``base`` is);
+        ``team_of``: the team a user is charged to."""
         borrowing = self._borrowing
         if borrowing is None or borrowing.base is not base:
             borrowing = self._borrowing = Borrowing(
-                base, rate_of, self.table.rate_of, accounting, burst_ns
+                base, rate_of, self.table.rate_of, accounting, burst_ns, team_of
             )
         return borrowing
+
+    def lending(self, team_rate_of: Callable[[str], int | None]) -> TeamLending | None:
+        """The teams' borrow cells while a team has a ceiling (after ``over``:
+        the needy holders are the borrowing budget's); ``team_rate_of``: a
+        team's rate."""
+        borrowing = self.borrowing
+        if borrowing is None or not self.team_ceilings:
+            return None
+        lending = self._lending
+        if lending is None or lending.borrowing is not borrowing:
+            lending = self._lending = TeamLending(
+                borrowing, team_rate_of, self.team_ceilings.get
+            )
+        return lending
 
 
 class Borrowing:
@@ -100,9 +126,11 @@ class Borrowing:
         "_needy",
         "accounting",
         "base",
+        "burst_ns",
         "ceiling_of",
         "cells",
         "rate_of",
+        "team_of",
     )
 
     def __init__(
@@ -112,12 +140,17 @@ class Borrowing:
         ceiling_of: Callable[[str], int],
         accounting: Accounting,
         burst_ns: int,
+        team_of: Callable[[str], str | None] = lambda user: None,
     ) -> None:
         self.base = base
         #: A user's rate (0: not limited, so it never needs to borrow).
         self.rate_of = rate_of
         #: A user's ceiling (0: none).
         self.ceiling_of = ceiling_of
+        #: The team a user is charged to (a team borrows while only its own
+        #: members are needy).
+        self.team_of = team_of
+        self.burst_ns = burst_ns
         self.accounting = accounting
         #: One cell per user that borrowed, at its ``ceiling - rate``.
         self.cells = OutputRateLimiter(NO_DEFAULT, {}, burst_ns, table_only=True)
@@ -134,13 +167,24 @@ class Borrowing:
         return self._needy
 
     def lend_to(self, needy: Collection[str]) -> None:
-        """This step's needy holders (at most two are needed to tell anyone's
-        spare). A borrower that loses its spare loses budget: that is a
-        limit change, so the scheduler forgets the headroom it cached."""
+        """This step's needy holders (enough to tell anyone's spare: those of
+        two owners, ``owner_of``). A borrower that loses its spare loses
+        budget: that is a limit change, so the scheduler forgets the headroom
+        it cached."""
         needy, before = frozenset(needy), self._needy
-        if needy and (not before or (len(before) == 1 and needy != before)):
-            self._bumps += 1  # someone spare before is not now
+        if (
+            needy
+            and needy != before
+            and (not before or len({self.owner_of(u) for u in before}) == 1)
+        ):
+            self._bumps += 1  # someone (a user or a team) spare before may not be
         self._needy = needy
+
+    def owner_of(self, user: str) -> tuple[str, str]:
+        """Whose spare a needy ``user`` takes away: its team's, else its own
+        (the needy scan stops at two owners)."""
+        team = self.team_of(user)
+        return ("user", user) if team is None else ("team", team)
 
     def limits_changed(self) -> None:
         """A ceiling changed: cached headroom may be too high."""
@@ -150,6 +194,12 @@ class Borrowing:
         """Whether ``user`` may borrow in this step: nobody else is needy."""
         needy = self._needy
         return not needy or (len(needy) == 1 and user in needy)
+
+    def spare_for_team(self, team: str) -> bool:
+        """Whether ``team`` may borrow in this step: no user outside it is
+        needy."""
+        team_of = self.team_of
+        return all(team_of(user) == team for user in self._needy)
 
     def _borrow_rate(self, user: str, now_ns: int) -> int:
         """``user``'s borrow cell rate, the cell kept at it (0: none)."""
@@ -241,3 +291,90 @@ class Borrowing:
         for user in [u for u in cells.user_rates if u not in live]:
             if not cells.lead_ns(user, now_ns):
                 cells.set_rate(user, None, now_ns)
+
+
+class TeamLending:
+    """The teams' borrow cells: one per team with a ceiling, at ``ceiling -
+    rate``, spent by ``TeamBudget`` once the team's own cell is, while no user
+    outside the team is needy (``Borrowing.spare_for_team``). Tokens a team
+    borrows are recorded as borrowed by the members they went to."""
+
+    __slots__ = ("borrowing", "ceiling_of", "cells", "rate_of")
+
+    def __init__(
+        self,
+        borrowing: Borrowing,
+        rate_of: Callable[[str], int | None],
+        ceiling_of: Callable[[str], int | None],
+    ) -> None:
+        self.borrowing = borrowing
+        #: A team's rate (None: not a team).
+        self.rate_of = rate_of
+        #: A team's ceiling (None: none).
+        self.ceiling_of = ceiling_of
+        self.cells = OutputRateLimiter(
+            NO_DEFAULT, {}, borrowing.burst_ns, table_only=True
+        )
+
+    def _lent_rate(self, team: str, now_ns: int) -> int:
+        """``team``'s borrow cell rate, the cell kept at it (0: none)."""
+        rate = self.rate_of(team) or 0
+        ceiling = self.ceiling_of(team) or 0
+        lent = ceiling - rate if rate else 0
+        cells = self.cells
+        current = cells.rate_of(team)
+        if lent <= 0:
+            if current:
+                cells.set_rate(team, None, now_ns)
+            return 0
+        if current != lent:
+            cells.set_rate(team, lent, now_ns)
+        return lent
+
+    def lendable(self, team: str, now_ns: int) -> int:
+        """Tokens ``team`` may borrow now (0 unless the engine is spare for it)."""
+        if not self.borrowing.spare_for_team(team) or not self._lent_rate(team, now_ns):
+            return 0
+        return self.cells.available(team, now_ns)
+
+    def take(self, team: str, count: int, now_ns: int) -> int:
+        """Takes up to ``count`` of ``team``'s borrow cell; what it took."""
+        return self.cells.take_up_to(team, count, now_ns)[0]
+
+    def charge(self, team: str, count: int, now_ns: int) -> None:
+        """Charges ``count`` to ``team``'s borrow cell, as far as it goes into
+        its burst (a free step's charges: they were known to be there)."""
+        self.cells.take_each({team: count}, now_ns)
+
+    def refund(self, team: str, count: int, now_ns: int) -> int:
+        """Gives back up to ``count`` to ``team``'s borrow cell, as far as it
+        is charged ahead of now; how many it took back."""
+        lent = self.cells.rate_of(team)
+        if not lent:
+            return 0
+        back = min(count, self.cells.lead_ns(team, now_ns) * lent // NS_PER_S)
+        if back:
+            self.cells.refund(team, now_ns, back)
+        return back
+
+    def ready_at_ns(self, team: str, now_ns: int) -> int | None:
+        """When ``team`` may borrow a token (None: it may not borrow now)."""
+        if not self.borrowing.spare_for_team(team) or not self._lent_rate(team, now_ns):
+            return None
+        return self.cells.ready_at_ns(team, now_ns)
+
+    def record(self, shares: Mapping[str, int]) -> None:
+        """Records each member's share of tokens its team borrowed (negative:
+        given back)."""
+        record = self.borrowing.accounting.record
+        for user, count in shares.items():
+            if count:
+                record(user, "borrowed_tokens", count)
+
+    def forget_idle(self, now_ns: int, teams: Collection[str]) -> None:
+        """Drops the borrow cells of teams not in ``teams`` whose cell is
+        full again."""
+        cells = self.cells
+        for team in [t for t in cells.user_rates if t not in teams]:
+            if not cells.lead_ns(team, now_ns):
+                cells.set_rate(team, None, now_ns)

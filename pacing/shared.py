@@ -212,17 +212,23 @@ class SharedLimiter:
         borrowing budget (``pacing.ceilings``) while any holder has a ceiling;
         wrapped in the teams' budget (``pacing.teams``) while any team exists."""
         base = self.limiter if self._budget is None else self._budget
+        teams = self.teams
         if self.ceilings.active:
             limiter = self.limiter
             base = self.ceilings.over(
-                base, limiter.rate_of, self.accounting, limiter.burst_ns
+                base, limiter.rate_of, self.accounting, limiter.burst_ns, teams.team_of
             )
-        if not self.teams.table:
+        if not teams.table:
             return base
+        lending = self.ceilings.lending(teams.cells.rate_of)
         team_budget = self._team_budget
-        if team_budget is None or team_budget.base is not base:
+        if (
+            team_budget is None
+            or team_budget.base is not base
+            or team_budget.lending is not lending
+        ):
             team_budget = self._team_budget = TeamBudget(
-                base, self.teams, self.limiter.rate_of
+                base, teams, self.limiter.rate_of, lending
             )
         return team_budget
 

@@ -50,13 +50,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pacing.budget import BudgetSource
 from pacing.identity import validate_user
 from pacing.limiter import DEFAULT_BURST_NS, MAX_RATE, OutputRateLimiter
 from pacing.limits import validate_rate
 from pacing.policy.errors import unknown_group
+
+if TYPE_CHECKING:
+    from pacing.ceilings import TeamLending
 
 #: A member's weight inside its team when it has none (``pacing.fair_share``).
 DEFAULT_MEMBER_WEIGHT = 1.0
@@ -372,15 +375,22 @@ class TeamBudget:
     to its team's cell; see the module docstring. Users without a team, and
     users the limiter does not limit, go to ``base`` alone."""
 
-    __slots__ = ("_bumps", "base", "promised", "rate_of", "teams")
+    __slots__ = ("_bumps", "base", "lending", "promised", "rate_of", "teams")
 
     def __init__(
-        self, base: BudgetSource, teams: Teams, rate_of: Callable[[str], int]
+        self,
+        base: BudgetSource,
+        teams: Teams,
+        rate_of: Callable[[str], int],
+        lending: TeamLending | None = None,
     ) -> None:
         self.base = base
         self.teams = teams
         #: The user's own limit (0: not limited, so not charged to a team).
         self.rate_of = rate_of
+        #: The teams' borrow cells (``pacing.ceilings``) while a team has a
+        #: ceiling: spent once a team's own cell is, while it is spare.
+        self.lending = lending
         #: member -> tokens of its team it may still spend without a new grant.
         self.promised: dict[str, int] = {}
         self._bumps = 0
@@ -415,7 +425,9 @@ class TeamBudget:
             return results
         teams.lift(team, [u for u, want in wants.items() if want > 0])
         cells = teams.budget
-        tokens = cells.available(team, now_ns)
+        lending = self.lending
+        lendable = 0 if lending is None else lending.lendable(team, now_ns)
+        tokens = cells.available(team, now_ns) + lendable
         grants = (
             wants if sum(wants.values()) <= tokens else teams.split(team, wants, tokens)
         )
@@ -430,7 +442,12 @@ class TeamBudget:
                 teams.record(user, team, taken)
         # Asked even for 0 tokens: a store-backed budget learns of the demand
         # (the team is then due a claim) only from a take.
-        team_left = cells.take_up_to(team, total, now_ns)[1]
+        own, team_left = cells.take_up_to(team, total, now_ns)
+        if lendable:
+            assert lending is not None
+            borrowed = lending.take(team, total - own, now_ns) if total > own else 0
+            lending.record(_shares(borrowed, grants))
+            team_left += lendable - borrowed
         promises = self._promise(team_left, list(grants))
         for user, taken in grants.items():
             promise = promises[user]
@@ -476,17 +493,48 @@ class TeamBudget:
             if promise < remaining[user]:
                 remaining[user] = promise
         if totals:
-            self.teams.budget.take_each(totals, now_ns)
+            self._charge_teams(totals, counts, now_ns)
             charged = self.teams.charged
             for team, total in totals.items():
                 charged[team] = charged.get(team, 0) + total
         return remaining
 
+    def _charge_teams(
+        self, totals: dict[str, int], counts: Mapping[str, int], now_ns: int
+    ) -> None:
+        """Charges each team its total: what its own cell lacks to its borrow
+        cell while it may borrow, recorded as borrowed by the members
+        (``counts``) in proportion."""
+        budget = self.teams.budget
+        lending = self.lending
+        if lending is not None:
+            team_of = self.teams.team_of
+            for team, total in totals.items():
+                if not lending.lendable(team, now_ns):
+                    continue
+                has = budget.available(team, now_ns)
+                if has < total:
+                    lent = total - has
+                    totals[team] = has
+                    lending.charge(team, lent, now_ns)
+                    members = {
+                        user: count
+                        for user, count in counts.items()
+                        if count and team_of(user) == team and self.rate_of(user)
+                    }
+                    lending.record(_shares(lent, members))
+        budget.take_each(totals, now_ns)
+
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
         self.base.refund(user, now_ns, count)
         team = self.team_of(user)
         if team is not None and count:
-            self.teams.budget.refund(team, now_ns, count)
+            back = 0
+            if self.lending is not None:  # to the borrow cell first
+                back = self.lending.refund(team, count, now_ns)
+                self.lending.record({user: -back})
+            if count > back:
+                self.teams.budget.refund(team, now_ns, count - back)
             self.teams.record(user, team, -count)
             self.promised[user] = self.promised.get(user, 0) + count
 
@@ -505,4 +553,22 @@ class TeamBudget:
         team = self.team_of(user)
         if team is None:
             return ready
-        return max(ready, self.teams.budget.ready_at_ns(team, now_ns))
+        team_ready = self.teams.budget.ready_at_ns(team, now_ns)
+        if team_ready > now_ns and self.lending is not None:
+            lent_ready = self.lending.ready_at_ns(team, now_ns)
+            if lent_ready is not None:
+                team_ready = min(team_ready, lent_ready)
+        return max(ready, team_ready)
+
+
+def _shares(tokens: int, weights: Mapping[str, int]) -> dict[str, int]:
+    """``tokens`` split over ``weights``' keys in proportion, rounded down, the
+    rest one each from the largest weight on."""
+    total = sum(weights.values())
+    if not tokens or not total:
+        return {}
+    shares = {user: tokens * w // total for user, w in weights.items()}
+    rest = tokens - sum(shares.values())
+    for user in sorted(weights, key=weights.__getitem__, reverse=True)[:rest]:
+        shares[user] += 1
+    return shares

@@ -267,6 +267,19 @@ _HELP: Mapping[tuple[str, str, str], str | None] = {
     ("tier", "ceiling_tokens_per_second", "clear"): (
         "remove the ceiling (the default's applies to members)"
     ),
+    ("team", "ceiling_tokens_per_second", "create"): (
+        "output tokens per second the members may reach together, borrowing "
+        "above the rate only while no user outside the team waits (at least "
+        "the rate)"
+    ),
+    ("team", "ceiling_tokens_per_second", "update"): (
+        "output tokens per second the members may reach together, borrowing "
+        "above the rate only while no user outside the team waits (at least "
+        "the rate)"
+    ),
+    ("team", "ceiling_tokens_per_second", "clear"): (
+        "remove the team's ceiling (its rate holds)"
+    ),
     ("default", "tokens_per_second", "update"): (
         "tokens per second of users without a limit of their own or their tier's"
     ),

@@ -31,6 +31,7 @@ Invariant: no request yields to one of its own or a lower band.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.upstream import STARTABLE, Upstream
@@ -40,6 +41,8 @@ from pacing.identity import ANONYMOUS_USER
 
 if TYPE_CHECKING:
     from engine_ext.scheduling.upstream import Request
+
+_REQUEST_ID = attrgetter("request_id")
 
 #: Output tokens a request samples after it resumes before it may yield its
 #: slot to a higher band again.
@@ -168,10 +171,10 @@ class BandSteps:
         if upstream.waiting_count() == 0:
             return
         waiting = list(upstream.waiting)
-        bands = self.bands_of([r.request_id for r in waiting])
+        bands = self.bands_of(list(map(_REQUEST_ID, waiting)))
         if self._yield_to_higher(waiting, bands, can_start):
             waiting = list(upstream.waiting)  # the victims joined it
-            bands = self.bands_of([r.request_id for r in waiting])
+            bands = self.bands_of(list(map(_REQUEST_ID, waiting)))
         if order and bands != sorted(bands):
             ranks = sorted(range(len(waiting)), key=bands.__getitem__)
             upstream.reorder_waiting([waiting[i] for i in ranks])
@@ -193,10 +196,13 @@ class BandSteps:
             return False  # every waiting request finds a slot
         best = min(bands)
         running = upstream.running
-        running_bands = self.bands_of([r.request_id for r in running])
+        running_bands = self.bands_of(list(map(_REQUEST_ID, running)))
         lowest_running = max(running_bands, default=-1)
         if lowest_running <= best:
             return False  # nothing runs below the best waiting band
+        at_or_below = sum(map(bands.count, range(lowest_running, max(bands) + 1)))
+        if len(bands) - at_or_below <= free:
+            return False  # the free slots take every request that could preempt
         # The receivers in band order: the first ``free`` take the free slots,
         # each one after them may free a slot (and a place under the active
         # cap) of a lower band.

@@ -18,7 +18,9 @@ rate in the step after another holder's request starts waiting. Its requests
 are then paced like any user's: refused ones are parked, and parked requests
 yield their slot and KV blocks to the needy (``slots``).
 
-The scan stops at the second needy user (enough to tell anyone's spare), and
+A team borrows only while every needy user is one of its members
+(``Borrowing.spare_for_team``). The scan stops once the needy users have two
+owners (teams, or users without one: enough to tell anyone's spare), and
 each user's budget is read once per step; the whole queue is kept (as a set of
 its requests).
 """
@@ -30,7 +32,8 @@ from engine_ext.scheduling.users import UserBook
 from pacing.ceilings import Borrowing
 from pacing.identity import ANONYMOUS_USER
 
-#: Needy users enough to tell whether anyone is spare (``Borrowing.spare_for``).
+#: Owners of needy users (``Borrowing.owner_of``: a team, or a user without
+#: one) enough to tell whether any user or team is spare.
 _ENOUGH = 2
 
 
@@ -56,8 +59,10 @@ class SpareCapacity:
         waited = self._waited
         user_of = self.book.user_of
         own = borrowing.base
+        owner_of = borrowing.owner_of
         within: dict[str, bool] = {}
         needy: list[str] = []
+        owners: set[tuple[str, str]] = set()
         for request in upstream.waiting:
             if request.status not in STARTABLE or not (full or request in waited):
                 continue
@@ -69,7 +74,8 @@ class SpareCapacity:
                 has = within[user] = own.available(user, now_ns) > 0
             if has:
                 needy.append(user)
-                if len(needy) >= _ENOUGH:
+                owners.add(owner_of(user))
+                if len(owners) >= _ENOUGH:
                     break
         self._waited = set(upstream.waiting)
         borrowing.lend_to(needy)

@@ -290,9 +290,17 @@ class Steps:
     def cleanup(self, now_ns: int, fair: bool) -> None:
         self.idle.cleanup(now_ns)
         self.prompt.forget_idle(self.book.live)
-        borrowing = self.shared.ceilings.borrowing
+        shared = self.shared
+        borrowing = shared.ceilings.borrowing
         if borrowing is not None:
             borrowing.forget_idle(now_ns, self.book.live)
+            lending = shared.ceilings.lending(shared.teams.cells.rate_of)
+            if lending is not None:
+                team_of = shared.teams.team_of
+                live_teams = {
+                    team for user in self.book.live if (team := team_of(user))
+                }
+                lending.forget_idle(now_ns, live_teams)
         if fair:
             self.fair.cleanup()
 

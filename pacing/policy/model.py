@@ -75,7 +75,13 @@ ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
         "ceiling_tokens_per_second",
         "band",
     ),
-    "team": ("tokens_per_second", "weight", "prompt_tokens_per_second", "band"),
+    "team": (
+        "tokens_per_second",
+        "weight",
+        "prompt_tokens_per_second",
+        "ceiling_tokens_per_second",
+        "band",
+    ),
 }
 
 

@@ -1,6 +1,6 @@
 """Ceilings in the control plane: ``ceiling_tokens_per_second`` is carried by
-every RPC that writes or reads a holder that may set it (the default, user
-entries, tiers, the whole table; not teams), lands in the ceilings' table at
+every RPC that writes or reads a holder (the default, user entries, tiers,
+teams, the whole table), lands in the ceilings' table at
 once (the policy in force is replaced, ``SharedLimiter.policy``), is refused
 with the rate rule's words at the request's field, and below the holder's own
 rate with INVALID_ARGUMENT naming the ceiling; the user states show the
@@ -13,7 +13,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
 
-from control.kinds import TIERS, USERS, Kind
+from control.kinds import TEAMS, TIERS, USERS, Kind
 from control.service.operations import LimitsService
 from protos.outputrate.v1 import output_rate_pb2 as pb
 from tests.control_harness import make_rig, serving
@@ -21,10 +21,14 @@ from tests.control_harness import make_rig, serving
 CEILING = "ceiling_tokens_per_second"
 #: The rate rule's words for a bad value (``pacing.limits.validate_rate``).
 RULE = "must be an integer in 1..1000000 (tokens per second), got"
-#: The kinds whose holders may set a ceiling (``ATTRIBUTES``: not teams).
-WITH_CEILINGS = (USERS, TIERS)
+#: The kinds whose holders may set a ceiling (``ATTRIBUTES``).
+WITH_CEILINGS = (USERS, TIERS, TEAMS)
 #: What each kind needs beside a ceiling to exist.
-EXISTS = {"user": {}, "tier": {"tokens_per_second": 5}}
+EXISTS = {
+    "user": {},
+    "tier": {"tokens_per_second": 5},
+    "team": {"tokens_per_second": 5},
+}
 
 
 def below(rate: int, ceiling: int) -> str:
@@ -68,12 +72,14 @@ def update(served, kind: Kind, holder_id: str, mask: list[str], **values) -> obj
 
 
 def ceiling_in_force(shared, kind: Kind, holder_id: str) -> int | None:
-    """What the ceilings' table holds: the ceiling that applies to a user
-    (None: none), a tier's."""
+    """What the ceilings' tables hold: the ceiling that applies to a user
+    (None: none), a tier's, a team's."""
     with shared.lock:
         table = shared.ceilings.table
         if kind is TIERS:
             return table.tier_rates.get(holder_id)
+        if kind is TEAMS:
+            return shared.ceilings.team_ceilings.get(holder_id)
         return table.rate_of(holder_id) or None
 
 
@@ -151,23 +157,6 @@ def test_a_ceiling_alone_does_not_make_a_tier(served):
     )
     assert error.details() == f"tier.tokens_per_second: {RULE} 0"
     assert served.rig.shared.policy.groups["tier"] == {}
-
-
-def test_teams_have_no_ceiling(served):
-    assert CEILING not in pb.Team.DESCRIPTOR.fields_by_name
-    create_team = pb.CreateTeamRequest(
-        team_id="acme", team=pb.Team(tokens_per_second=6)
-    )
-    served.stub.CreateTeam(create_team)
-    error = refused(
-        lambda: served.stub.UpdateTeam(
-            pb.UpdateTeamRequest(
-                team=pb.Team(name="teams/acme"),
-                update_mask=FieldMask(paths=[CEILING]),
-            )
-        )
-    )
-    assert error.details().startswith(f"update_mask: cannot update '{CEILING}'")
 
 
 # -- the default ----------------------------------------------------------------

@@ -190,16 +190,17 @@ def test_a_bad_ceiling_in_the_file_is_refused_at_its_path(path, where, holder, s
     assert ceilings(rig.shared) == IN_DOC
 
 
-def test_a_team_in_the_file_cannot_set_a_ceiling(path):
-    write(
-        path,
-        {
-            "default_tokens_per_second": 10,
-            "teams": {"acme": {"tokens_per_second": 6, "ceiling_tokens_per_second": 9}},
-        },
-    )
-    with pytest.raises(SettingsError) as start:
-        preflight.check_config_file(str(path), None)
-    assert "teams.acme: unknown field(s) 'ceiling_tokens_per_second'" in str(
-        start.value
-    )
+def test_a_team_in_the_file_sets_a_ceiling_and_an_edit_applies_it(path):
+    doc = {
+        "default_tokens_per_second": 10,
+        "teams": {"acme": {"tokens_per_second": 6, "ceiling_tokens_per_second": 9}},
+    }
+    write(path, doc)
+    preflight.check_config_file(str(path), None)
+    rig = make_rig(10, {"alice": 5})
+    _, watcher = started(path, rig)
+    assert rig.shared.ceilings.team_ceilings == {"acme": 9}
+    doc["teams"]["acme"]["ceiling_tokens_per_second"] = 12
+    write(path, doc)
+    assert watcher.poll() is True
+    assert rig.shared.ceilings.team_ceilings == {"acme": 12}

@@ -78,15 +78,17 @@ def test_a_ceiling_alone_does_not_make_a_tier(ctl, rig):
     assert rig.shared.policy.groups["tier"] == {}
 
 
-@pytest.mark.parametrize(
-    "command",
-    [["teams", "create", "acme", "60"], ["teams", "update", "acme"]],
-    ids=" ".join,
-)
-def test_teams_have_no_ceiling_option(ctl, rig, command):
-    status, out, err = ctl(*command, "--ceiling", "100")
-    assert (status, out) == (2, "")
-    assert "unrecognized arguments: --ceiling 100" in err
+def test_teams_create_update_and_clear_a_ceiling(ctl, rig):
+    status, out, _ = ctl("--json", "teams", "create", "acme", "60", "--ceiling", "100")
+    assert (status, json.loads(out)["ceiling_tokens_per_second"]) == (0, 100)
+    assert rig.shared.ceilings.team_ceilings == {"acme": 100}
+    status, out, _ = ctl("--json", "teams", "update", "acme", "--ceiling", "120")
+    assert (status, json.loads(out)["ceiling_tokens_per_second"]) == (0, 120)
+    assert rig.shared.ceilings.team_ceilings == {"acme": 120}
+    status, out, _ = ctl("--json", "teams", "update", "acme", "--no-ceiling")
+    assert (status, json.loads(out)["ceiling_tokens_per_second"]) == (0, None)
+    assert json.loads(out)["tokens_per_second"] == 60  # the team stays
+    assert rig.shared.ceilings.team_ceilings == {}
 
 
 def test_update_default_sets_and_clears_the_default_ceiling(ctl, rig):

@@ -67,8 +67,8 @@ def test_tiers_and_teams_take_a_prompt_rate_on_create_and_update(ctl, rig):
     status, out, _ = ctl("teams", "create", "acme", "600", "--prompt-rate", "4000")
     assert status == 0
     assert out.splitlines() == [
-        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  BAND  MEMBERS",
-        "acme       600       -      4000     -        0",
+        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  CEIL/S  BAND  MEMBERS",
+        "acme       600       -      4000       -     -        0",
     ]
     assert prompt_rates(rig)["acme"] == 4000
     status, out, _ = ctl("--json", "teams", "update", "acme", "--no-prompt-rate")

@@ -19,6 +19,7 @@ def test_teams_are_created_shown_listed_updated_and_deleted(ctl, rig):
             "tokens_per_second": 60,
             "weight": 2.0,
             "prompt_tokens_per_second": None,
+            "ceiling_tokens_per_second": None,
             "band": None,
             "member_count": 0,
         },
@@ -26,9 +27,9 @@ def test_teams_are_created_shown_listed_updated_and_deleted(ctl, rig):
     assert rig.shared.teams.table.rate_of("acme") == 60
     ctl("teams", "create", "beta", "20")
     assert ctl("teams", "list")[1].splitlines() == [
-        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  BAND  MEMBERS",
-        "acme        60     2.0         -     -        0",
-        "beta        20       -         -     -        0",
+        "TEAM  TOKENS/S  WEIGHT  PROMPT/S  CEIL/S  BAND  MEMBERS",
+        "acme        60     2.0         -       -     -        0",
+        "beta        20       -         -       -     -        0",
     ]
     status, out, _ = ctl("--json", "teams", "update", "acme", "--rate", "90")
     assert (status, json.loads(out)["tokens_per_second"]) == (0, 90)
@@ -70,7 +71,7 @@ def test_update_team_without_a_change_is_a_usage_error(ctl):
     assert status == 2
     assert (
         "teams update needs --rate, --weight, --no-weight, --prompt-rate, "
-        "--no-prompt-rate, --band or --no-band" in err
+        "--no-prompt-rate, --ceiling, --no-ceiling, --band or --no-band" in err
     )
 
 

@@ -45,7 +45,7 @@ def with_ceilings() -> Policy:
                 "free": Limits(5),
                 "vip": Limits(exempt=True, ceiling_tokens_per_second=9),
             },
-            "team": {"acme": Limits(60)},
+            "team": {"acme": Limits(60, ceiling_tokens_per_second=150)},
         },
         users={
             "alice": User(
@@ -82,6 +82,7 @@ def test_ceilings_travel_under_attributes_beside_the_pieces():
             "pro": {"ceiling_tokens_per_second": 400},
             "vip": {"ceiling_tokens_per_second": 9},
         },
+        "teams": {"acme": {"ceiling_tokens_per_second": 150}},
     }
 
 
@@ -114,11 +115,12 @@ def test_a_policy_without_ceilings_is_stored_as_before():
             "integer in 1..1000000",
         ),
         (
-            {"teams": {"acme": {"ceiling_tokens_per_second": 90}}},
-            "limits document: teams.acme: unknown field(s) 'ceiling_tokens_per_second'",
+            {"teams": {"acme": {"ceiling_tokens_per_second": 50}}},
+            "limits document: teams.acme.ceiling_tokens_per_second: must be at "
+            "least tokens_per_second (60), got 50",
         ),
     ],
-    ids=["user-below", "tier-below", "default-below", "user-zero", "team"],
+    ids=["user-below", "tier-below", "default-below", "user-zero", "team-below"],
 )
 def test_a_stored_ceiling_that_breaks_the_rules_is_refused(attributes, message):
     document = json.loads(

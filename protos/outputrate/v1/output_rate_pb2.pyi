@@ -76,7 +76,7 @@ class Tier(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., exempt: _Optional[bool] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., weight: _Optional[float] = ..., prompt_tokens_per_second: _Optional[int] = ..., ceiling_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ...) -> None: ...
 
 class Team(_message.Message):
-    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag", "prompt_tokens_per_second", "band")
+    __slots__ = ("name", "tokens_per_second", "weight", "member_count", "etag", "prompt_tokens_per_second", "band", "ceiling_tokens_per_second")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Team(_message.Message):
     ETAG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BAND_FIELD_NUMBER: _ClassVar[int]
+    CEILING_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     name: str
     tokens_per_second: int
     weight: float
@@ -91,7 +92,8 @@ class Team(_message.Message):
     etag: str
     prompt_tokens_per_second: int
     band: str
-    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ...) -> None: ...
+    ceiling_tokens_per_second: int
+    def __init__(self, name: _Optional[str] = ..., tokens_per_second: _Optional[int] = ..., weight: _Optional[float] = ..., member_count: _Optional[int] = ..., etag: _Optional[str] = ..., prompt_tokens_per_second: _Optional[int] = ..., band: _Optional[str] = ..., ceiling_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class LimitsTable(_message.Message):
     __slots__ = ("name", "default_tokens_per_second", "limits", "etag", "tiers", "teams", "default", "bands", "objectives")
