@@ -51,6 +51,46 @@ def sets_ceilings(policy: Policy) -> bool:
     return any(limits.ceiling_tokens_per_second is not None for limits in holders)
 
 
+class BorrowCells(OutputRateLimiter):
+    """Borrow cells, one per holder (a user, or a team) that borrows, each at
+    its ``ceiling - rate``: a table of GCRA cells with the rate's burst."""
+
+    def __init__(self, burst_ns: int) -> None:
+        super().__init__(NO_DEFAULT, {}, burst_ns, table_only=True)
+
+    def lent_rate(self, holder: str, rate: int, ceiling: int, now_ns: int) -> int:
+        """``holder``'s borrow cell rate for ``rate`` and ``ceiling``, the cell
+        kept at it (0: none: no rate, or a ceiling not above it)."""
+        lent = ceiling - rate if rate else 0
+        current = self.rate_of(holder)
+        if lent <= 0:
+            if current:
+                self.set_rate(holder, None, now_ns)
+            return 0
+        if current != lent:
+            self.set_rate(holder, lent, now_ns)
+        return lent
+
+    def refund_ahead(self, holder: str, count: int, now_ns: int) -> int:
+        """Gives back up to ``count`` to ``holder``'s cell, as far as it is
+        charged ahead of now (never more than was borrowed); how many it took
+        back."""
+        lent = self.rate_of(holder)
+        if not lent:
+            return 0
+        back = min(count, self.lead_ns(holder, now_ns) * lent // NS_PER_S)
+        if back:
+            self.refund(holder, now_ns, back)
+        return back
+
+    def forget_idle(self, now_ns: int, live: Collection[str]) -> None:
+        """Drops the cells of holders not in ``live`` whose cell is full again
+        (a returning holder starts where it would anyway)."""
+        for holder in [h for h in self.user_rates if h not in live]:
+            if not self.lead_ns(holder, now_ns):
+                self.set_rate(holder, None, now_ns)
+
+
 class Ceilings:
     """The ceilings of the policy in force (a table only: ``rate_of`` is a
     user's ceiling; ``team_ceilings`` the teams'), the borrowing budget over
@@ -153,7 +193,7 @@ class Borrowing:
         self.burst_ns = burst_ns
         self.accounting = accounting
         #: One cell per user that borrowed, at its ``ceiling - rate``.
-        self.cells = OutputRateLimiter(NO_DEFAULT, {}, burst_ns, table_only=True)
+        self.cells = BorrowCells(burst_ns)
         self._needy: frozenset[str] = frozenset()
         self._bumps = 0
 
@@ -203,17 +243,9 @@ class Borrowing:
 
     def _borrow_rate(self, user: str, now_ns: int) -> int:
         """``user``'s borrow cell rate, the cell kept at it (0: none)."""
-        rate = self.rate_of(user)
-        lent = self.ceiling_of(user) - rate if rate else 0
-        cells = self.cells
-        current = cells.rate_of(user)
-        if lent <= 0:
-            if current:
-                cells.set_rate(user, None, now_ns)
-            return 0
-        if current != lent:
-            cells.set_rate(user, lent, now_ns)
-        return lent
+        return self.cells.lent_rate(
+            user, self.rate_of(user), self.ceiling_of(user), now_ns
+        )
 
     def take_up_to(self, user: str, most: int, now_ns: int) -> tuple[int, int]:
         taken, left = self.base.take_up_to(user, most, now_ns)
@@ -258,14 +290,9 @@ class Borrowing:
     def refund(self, user: str, now_ns: int, count: int = 1) -> None:
         """Gives back to the borrow cell first, as far as it is charged ahead
         of now (never more than was borrowed), the rest to ``base``."""
-        lent = self.cells.rate_of(user)
-        back = 0
-        if lent:
-            ahead = self.cells.lead_ns(user, now_ns) * lent // NS_PER_S
-            back = min(count, ahead)
-            if back:
-                self.cells.refund(user, now_ns, back)
-                self.accounting.record(user, "borrowed_tokens", -back)
+        back = self.cells.refund_ahead(user, count, now_ns)
+        if back:
+            self.accounting.record(user, "borrowed_tokens", -back)
         if count > back:
             self.base.refund(user, now_ns, count - back)
 
@@ -286,11 +313,8 @@ class Borrowing:
 
     def forget_idle(self, now_ns: int, live: Collection[str]) -> None:
         """Drops the borrow cells of users without live requests whose cell is
-        full again (a returning user starts where it would anyway)."""
-        cells = self.cells
-        for user in [u for u in cells.user_rates if u not in live]:
-            if not cells.lead_ns(user, now_ns):
-                cells.set_rate(user, None, now_ns)
+        full again."""
+        self.cells.forget_idle(now_ns, live)
 
 
 class TeamLending:
@@ -312,24 +336,13 @@ class TeamLending:
         self.rate_of = rate_of
         #: A team's ceiling (None: none).
         self.ceiling_of = ceiling_of
-        self.cells = OutputRateLimiter(
-            NO_DEFAULT, {}, borrowing.burst_ns, table_only=True
-        )
+        self.cells = BorrowCells(borrowing.burst_ns)
 
     def _lent_rate(self, team: str, now_ns: int) -> int:
         """``team``'s borrow cell rate, the cell kept at it (0: none)."""
-        rate = self.rate_of(team) or 0
-        ceiling = self.ceiling_of(team) or 0
-        lent = ceiling - rate if rate else 0
-        cells = self.cells
-        current = cells.rate_of(team)
-        if lent <= 0:
-            if current:
-                cells.set_rate(team, None, now_ns)
-            return 0
-        if current != lent:
-            cells.set_rate(team, lent, now_ns)
-        return lent
+        return self.cells.lent_rate(
+            team, self.rate_of(team) or 0, self.ceiling_of(team) or 0, now_ns
+        )
 
     def lendable(self, team: str, now_ns: int) -> int:
         """Tokens ``team`` may borrow now (0 unless the engine is spare for it)."""
@@ -349,13 +362,7 @@ class TeamLending:
     def refund(self, team: str, count: int, now_ns: int) -> int:
         """Gives back up to ``count`` to ``team``'s borrow cell, as far as it
         is charged ahead of now; how many it took back."""
-        lent = self.cells.rate_of(team)
-        if not lent:
-            return 0
-        back = min(count, self.cells.lead_ns(team, now_ns) * lent // NS_PER_S)
-        if back:
-            self.cells.refund(team, now_ns, back)
-        return back
+        return self.cells.refund_ahead(team, count, now_ns)
 
     def ready_at_ns(self, team: str, now_ns: int) -> int | None:
         """When ``team`` may borrow a token (None: it may not borrow now)."""
@@ -374,7 +381,4 @@ class TeamLending:
     def forget_idle(self, now_ns: int, teams: Collection[str]) -> None:
         """Drops the borrow cells of teams not in ``teams`` whose cell is
         full again."""
-        cells = self.cells
-        for team in [t for t in cells.user_rates if t not in teams]:
-            if not cells.lead_ns(team, now_ns):
-                cells.set_rate(team, None, now_ns)
+        self.cells.forget_idle(now_ns, teams)

@@ -42,7 +42,7 @@ from typing import TypeVar
 
 from pacing.accounting import Accounting, UserCounters
 from pacing.budget import BudgetSource
-from pacing.ceilings import Ceilings
+from pacing.ceilings import Ceilings, TeamLending
 from pacing.fair_share import FairShare
 from pacing.fair_share_policy import policy_of as share_policy_of
 from pacing.limiter import OutputRateLimiter
@@ -220,7 +220,7 @@ class SharedLimiter:
             )
         if not teams.table:
             return base
-        lending = self.ceilings.lending(teams.cells.rate_of)
+        lending = self.team_lending
         team_budget = self._team_budget
         if (
             team_budget is None
@@ -231,6 +231,12 @@ class SharedLimiter:
                 base, teams, self.limiter.rate_of, lending
             )
         return team_budget
+
+    @property
+    def team_lending(self) -> TeamLending | None:
+        """The teams' borrow cells while a team has a ceiling
+        (``pacing.ceilings``), over the borrowing budget of ``budget``."""
+        return self.ceilings.lending(self.teams.cells.rate_of)
 
     def policy_in_force(self) -> Policy:
         """The policy in force with its mode and fair-share switch (copies:

@@ -126,13 +126,13 @@ class BandSteps:
             ]
         return bands  # type: ignore[return-value]
 
-    def _current_table(self) -> BandTable:
+    def _current_table(self) -> None:
+        """Empties the caches if the table in force changed since they filled."""
         table = self.table()
         if table is not self._cached_table:
             self._cached_table = table
             self._by_request = {}
             self._by_user = {}
-        return table
 
     def _learned(self, request_id: str) -> int:
         """The band of ``request_id`` under the cached table: the gateway's

@@ -294,7 +294,7 @@ class Steps:
         borrowing = shared.ceilings.borrowing
         if borrowing is not None:
             borrowing.forget_idle(now_ns, self.book.live)
-            lending = shared.ceilings.lending(shared.teams.cells.rate_of)
+            lending = shared.team_lending
             if lending is not None:
                 team_of = shared.teams.team_of
                 live_teams = {

@@ -120,6 +120,29 @@ class Recorder:
         return worst
 
 
+def seeded_arrivals(
+    rng: random.Random, driver, users: list[str]
+) -> Callable[[int], None]:
+    """A step hook: with probability 0.02 a step, 1-3 requests of one of
+    ``users`` (5-119 output tokens, 4-39 prompt tokens) arrive."""
+
+    def arrivals(index: int) -> None:
+        if rng.random() < 0.02:
+            user = rng.choice(users)
+            driver.add(
+                [
+                    make_request(
+                        user,
+                        max_tokens=rng.randrange(5, 120),
+                        prompt_len=rng.randrange(4, 40),
+                    )
+                    for _ in range(rng.randrange(1, 4))
+                ]
+            )
+
+    return arrivals
+
+
 def run_recorded(scheduler, driver, steps: int, before_step=None) -> Recorder:
     recorder = Recorder(scheduler, driver.clock)
     recorder.install()
@@ -208,19 +231,7 @@ def test_seeded_workloads_borrow_only_spare_capacity_within_every_bound(
     users = list(limits)
     steps = 10_000
 
-    def arrivals(index: int) -> None:
-        if rng.random() < 0.02:
-            user = rng.choice(users)
-            driver.add(
-                [
-                    make_request(
-                        user,
-                        max_tokens=rng.randrange(5, 120),
-                        prompt_len=rng.randrange(4, 40),
-                    )
-                    for _ in range(rng.randrange(1, 4))
-                ]
-            )
+    arrivals = seeded_arrivals(rng, driver, users)
 
     recorder = run_recorded(scheduler, driver, steps, arrivals)
     for user, spec in limits.items():

@@ -15,6 +15,7 @@ from tests.scheduling.test_scheduler_ceilings import (
     STEP_MS,
     run_recorded,
     scheduler_for,
+    seeded_arrivals,
 )
 from tools.scheduler_harness import SYNC_AND_ASYNC, make_request
 
@@ -156,19 +157,7 @@ def test_seeded_workloads_keep_a_team_within_its_ceiling_and_borrow_only_spare(
     )
     users = [*members, *others]
 
-    def arrivals(index: int) -> None:
-        if rng.random() < 0.02:
-            user = rng.choice(users)
-            driver.add(
-                [
-                    make_request(
-                        user,
-                        max_tokens=rng.randrange(5, 120),
-                        prompt_len=rng.randrange(4, 40),
-                    )
-                    for _ in range(rng.randrange(1, 4))
-                ]
-            )
+    arrivals = seeded_arrivals(rng, driver, users)
 
     recorder = run_recorded(scheduler, driver, 10_000, arrivals)
     for window_s in (0.5, 2.0):
