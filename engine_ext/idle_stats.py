@@ -228,7 +228,7 @@ def start_for(engine: Any) -> IdleHeartbeat | None:
         lambda marker: engine.input_queue.put_nowait(
             (EngineCoreRequestType.WAKEUP, marker)
         ),
-        metrics=scheduler.output_rate_stats is not None and scheduler.log_stats,
+        metrics=scheduler.output_rate_stats is not None,
     )
     heartbeat.start()
     return heartbeat

@@ -27,6 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -599,7 +600,9 @@ class PayloadBuilder:
         """For each group (the group of a user, or None while the kind has none;
         the labelled groups; the catch-all label): every label's counter deltas,
         each user's events since the previous build going to the group it is a
-        member of now. One pass over the accounting for all groups."""
+        member of now, those of users the accounting forgot since included.
+        One pass over the accounting for all groups."""
+        forgotten = accounting.collect_forgotten()
         active = [
             (group_of, labelled, other)
             for group_of, labelled, other in groups
@@ -615,7 +618,9 @@ class PayloadBuilder:
         previous = self._seen or {}
         seen: dict[str, tuple[UserCounters, tuple[float, ...]]] = {}
         sums: list[_Sums] = [{} for _ in active]
-        for user, counters in accounting.by_user().items():
+        # A forgotten user's counters first: if it came back, its new ones
+        # are the ones seen.
+        for user, counters in chain(forgotten, accounting.by_user().items()):
             values: tuple[float, ...] = _counter_values(counters)
             seen[user] = (counters, values)
             before = previous.get(user)

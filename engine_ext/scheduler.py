@@ -104,11 +104,15 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         settings = OutputRateSettings.from_additional_config(
             self.vllm_config.additional_config
         )
+        # vLLM's make_stats returns nothing without log_stats: no payload then.
+        emit_payloads = settings.metrics.emit and settings.enabled and self.log_stats
         #: The limiter and its counters, shared with whatever attaches (the
         #: control plane): the lock is held for every whole step.
         self.output_rate_shared = SharedLimiter(
             settings.build_limiter(),
-            Accounting(),
+            # The payload's groups count the events of users forgotten
+            # between two builds.
+            Accounting(keep_forgotten=emit_payloads),
             lambda: self.clock(),
             request_counts=self._request_counts,
             mode=settings.mode,
@@ -138,12 +142,11 @@ class OutputRateSchedulerMixin(_SchedulerBase):
         #: Whether the engine-loop hook has yet to bind ``wake`` to the engine's
         #: input queue (only with pacing on).
         self.output_rate_needs_wake_binding = False
-        metrics = settings.metrics
         #: Builds the metrics payload carried to the API process in the step's
         #: SchedulerStats; None unless our stat logger is there to take it out.
         self.output_rate_stats = (
-            payload_builder.PayloadBuilder(metrics.max_labelled_users)
-            if metrics.emit and settings.enabled
+            payload_builder.PayloadBuilder(settings.metrics.max_labelled_users)
+            if emit_payloads
             else None
         )
         #: Payloads whose build has started (counted first): the idle-metrics

@@ -52,7 +52,10 @@ class Accounting:
     """Per-user and total counters; per-user entries can be forgotten (idle users)
     while the totals keep counting."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_forgotten: bool = False) -> None:
+        """With ``keep_forgotten``, ``forget`` keeps what it drops for
+        ``collect_forgotten`` (for a reader of per-user deltas that calls it
+        at every read: the metrics payload)."""
         self.total = UserCounters()
         self._users: dict[str, UserCounters] = {}
         #: Per user, then in total: requests whose gateway objective the
@@ -63,6 +66,11 @@ class Accounting:
         self.unknown_objectives_total = 0
         #: Unknown objective names seen, at most ``MAX_UNKNOWN_OBJECTIVE_NAMES``.
         self._unknown_objective_names: set[str] = set()
+        #: Users forgotten since the last ``collect_forgotten``, with their
+        #: counters then; None: nobody collects.
+        self._forgotten: list[tuple[str, UserCounters]] | None = (
+            [] if keep_forgotten else None
+        )
 
     def of(self, user: str) -> UserCounters:
         """A copy of ``user``'s counters (zeros for an unknown user)."""
@@ -106,8 +114,28 @@ class Accounting:
         return True
 
     def forget(self, keep: set[str]) -> None:
-        """Drops per-user entries of users not in ``keep``."""
-        self._users = {u: c for u, c in self._users.items() if u in keep}
+        """Drops per-user entries of users not in ``keep`` (kept for the next
+        ``collect_forgotten`` with ``keep_forgotten``)."""
+        users, self._users = self._users, {}
+        forgotten = self._forgotten
+        for user, counters in users.items():
+            if user in keep:
+                self._users[user] = counters
+            elif forgotten is not None:
+                forgotten.append((user, counters))
         self.unknown_objectives = {
             u: n for u, n in self.unknown_objectives.items() if u in keep
         }
+
+    def collect_forgotten(self) -> list[tuple[str, UserCounters]]:
+        """The users forgotten since the previous call (since start-up at the
+        first), each with its counters as they were then (the objects
+        ``by_user`` showed), oldest first; always empty without
+        ``keep_forgotten``. A reader of per-user deltas (the metrics' groups)
+        that calls it at every read loses no event of a user forgotten
+        between two reads."""
+        forgotten = self._forgotten
+        if not forgotten:
+            return []
+        self._forgotten = []
+        return forgotten

@@ -6,7 +6,9 @@ Idle users (no live request, bucket full) are dropped from the limiter at most
 every ``CLEANUP_INTERVAL_NS`` by the scheduler's clock: after a step, and on an
 idle engine when the metrics heartbeat (``engine_ext.idle_stats``) asks.
 Invariant: cleaning is behaviour-neutral (``OutputRateLimiter.cleanup_idle_users``)
-and keeps every live or metrics-labelled user's counters, so deltas stay exact.
+and keeps every live or metrics-labelled user's counters, so deltas stay exact;
+the counters of the users it forgets go to the next metrics payload's groups
+(tiers, teams, bands) through ``Accounting.collect_forgotten``.
 """
 
 from __future__ import annotations

@@ -1402,3 +1402,50 @@ def test_the_scheduler_hands_the_bands_to_the_payload(tiny_model_dir: str) -> No
         shared.policy = policy
     scheduler.make_stats_with_payload()
     assert payloads[-1].bands is None
+
+
+def test_a_band_keeps_the_tokens_of_a_user_forgotten_before_the_payload(
+    tiny_model_dir: str,
+) -> None:
+    """On vLLM's real Scheduler: a user with no rate of its own (the default
+    one, never labelled) runs one 50-token request to its end; the engine
+    goes idle, and the idle heartbeat's clean-up forgets the user before the
+    payload it then builds. The band's tokens are all 50 all the same."""
+    doc = {"default": {"tokens_per_second": 100_000}}
+    scheduler, driver = driven_scheduler(
+        tiny_model_dir,
+        False,
+        default_rate=None,
+        output_rate={"policy": doc},
+        scheduler_cls=_StatsScheduler,
+    )
+    shared = scheduler.output_rate_shared
+    with shared.lock:
+        shared.policy = dataclasses.replace(
+            shared.policy,
+            bands=BANDS,
+            default=dataclasses.replace(shared.policy.default, band="standard"),
+        )
+    payloads = []
+    make_stats = scheduler.make_stats
+
+    def recorded(*args, **kwargs):
+        stats = make_stats(*args, **kwargs)
+        raw = take_payload(stats)
+        if raw is not None:
+            payloads.append(parse(raw))
+        return stats
+
+    scheduler.make_stats = recorded
+    driver.add([make_request("s", max_tokens=50)])
+    while scheduler.has_unfinished_requests():
+        driver.step()
+        assert len(payloads) < 60, "the request never ended"
+    driver.settle()
+    assert scheduler.accounting.total.charged == 50
+    driver.clock.advance_ms(2_000)  # idle: the clean-up is due
+    scheduler.cleanup_when_idle()  # what the idle heartbeat does first
+    assert "s" not in scheduler.accounting.by_user()
+    scheduler.make_stats_with_payload()
+    tokens = sum(p.bands.tokens.get("standard", 0) for p in payloads if p.bands)
+    assert tokens == 50

@@ -367,3 +367,23 @@ def test_parse_rejects_a_malformed_bands_part_naming_the_field(mutate, message):
     mutate(payload)
     with pytest.raises(PayloadError, match=message):
         parse(payload)
+
+
+def test_tokens_of_a_user_forgotten_before_the_build_still_count() -> None:
+    """A user with no rate whose request ended is forgotten by the idle
+    clean-up before the next build: its last tokens are in its band all the
+    same, and its tokens after it came back too."""
+    accounting = Accounting(keep_forgotten=True)
+    builder = PayloadBuilder()
+    accounting.record("frank", "charged", 22)
+    assert bands_of(builder, accounting)["tokens"] == {"standard": 22}
+    accounting.record("frank", "charged", 28)
+    accounting.forget(set())
+    assert bands_of(builder, accounting)["tokens"] == {"standard": 28}
+    accounting.record("frank", "charged", 5)
+    accounting.forget(set())
+    accounting.record("frank", "charged", 3)  # back, counted from zero
+    accounting.forget(set())
+    accounting.record("frank", "charged", 1)
+    assert bands_of(builder, accounting)["tokens"] == {"standard": 9}
+    assert bands_of(builder, accounting)["tokens"] == {}

@@ -183,6 +183,11 @@ def test_parse_rejects_malformed_team_parts(mutate, message: str) -> None:
         parse(raw)
 
 
+def forget(accounting: Accounting, users: set[int]) -> None:
+    """The idle clean-up forgets ``users`` (by index) and keeps the rest."""
+    accounting.forget({f"u{i}" for i in range(5)} - {f"u{i}" for i in users})
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     cap=st.integers(min_value=0, max_value=2),
@@ -201,6 +206,7 @@ def test_parse_rejects_malformed_team_parts(mutate, message: str) -> None:
             st.dictionaries(st.integers(0, 4), st.integers(0, 3)),
             st.booleans(),  # tiers exist at this build
             st.sets(st.integers(0, 4)),  # users the accounting forgets first
+            st.sets(st.integers(0, 4)),  # and those it forgets before the build
         ),
         min_size=1,
         max_size=12,
@@ -211,20 +217,20 @@ def test_team_and_tier_deltas_each_count_every_event_once(
 ) -> None:
     """Teams exist at every build, tiers at some: each event recorded between
     two builds counts once in the team its user is in at the later build, and
-    once in its tier while tiers are counted (the one pass serves both)."""
-    accounting = Accounting()
+    once in its tier while tiers are counted (the one pass serves both), also
+    when the accounting forgot the user in between."""
+    accounting = Accounting(keep_forgotten=True)
     builder = PayloadBuilder(max_labelled_users=cap, max_labelled_tiers=cap)
     emitted = {kind: dict.fromkeys(COUNTER_FIELDS, 0) for kind in ("team", "tier")}
     expected = {kind: dict.fromkeys(COUNTER_FIELDS, 0) for kind in ("team", "tier")}
     pending: dict[int, dict[str, int]] = {}  # user -> events since last build
-    for events, teams, tiers, tiers_exist, forgotten in steps:
-        accounting.forget({f"u{i}" for i in range(5)} - {f"u{i}" for i in forgotten})
-        for user in forgotten:
-            pending.pop(user, None)  # gone before any build saw them
+    for events, teams, tiers, tiers_exist, forgotten, forgotten_last in steps:
+        forget(accounting, forgotten)
         for user, event, count in events:
             accounting.record(f"u{user}", event, count)
             row = pending.setdefault(user, {})
             row[event] = row.get(event, 0) + count
+        forget(accounting, forgotten_last)
         table = TeamTable(
             {"a": 1, "b": 2, "c": 3},
             {f"u{u}": "abc"[t] for u, t in teams.items() if t < 3},

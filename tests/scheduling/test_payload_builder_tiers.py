@@ -137,6 +137,11 @@ def test_without_a_limiter_there_are_no_tiers() -> None:
     assert (raw["tiers"], raw["tier_counters"]) == ({}, {})
 
 
+def forget(accounting: Accounting, users: set[int]) -> None:
+    """The idle clean-up forgets ``users`` (by index) and keeps the rest."""
+    accounting.forget({f"u{i}" for i in range(5)} - {f"u{i}" for i in users})
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     cap=st.integers(min_value=0, max_value=2),
@@ -154,6 +159,7 @@ def test_without_a_limiter_there_are_no_tiers() -> None:
             st.dictionaries(st.integers(0, 4), st.integers(0, 3)),
             st.booleans(),  # tiers exist at this build
             st.sets(st.integers(0, 4)),  # users the accounting forgets first
+            st.sets(st.integers(0, 4)),  # and those it forgets before the build
         ),
         min_size=1,
         max_size=12,
@@ -164,21 +170,21 @@ def test_tier_deltas_attribute_every_event_to_the_tier_at_the_next_build(
 ) -> None:
     """Against a reference that remembers every event: each event recorded
     between two builds counts once, in the tier its user belongs to at the
-    later build, when tiers exist at both (or the later is the first build)."""
-    accounting = Accounting()
+    later build, when tiers exist at both (or the later is the first build),
+    also when the accounting forgot the user in between."""
+    accounting = Accounting(keep_forgotten=True)
     builder = PayloadBuilder(max_labelled_tiers=cap)
     emitted = {name: 0 for name in COUNTER_FIELDS}
     expected = dict(emitted)
     pending: dict[int, dict[str, int]] = {}  # user -> events since last build
     tracked = True  # the first build counts everything
-    for events, members, tiers_exist, forgotten in steps:
-        accounting.forget({f"u{i}" for i in range(5)} - {f"u{i}" for i in forgotten})
-        for user in forgotten:
-            pending.pop(user, None)  # gone before any build saw them
+    for events, members, tiers_exist, forgotten, forgotten_last in steps:
+        forget(accounting, forgotten)
         for user, event, count in events:
             accounting.record(f"u{user}", event, count)
             row = pending.setdefault(user, {})
             row[event] = row.get(event, 0) + count
+        forget(accounting, forgotten_last)
         if tiers_exist:
             limiter = OutputRateLimiter(
                 10,
