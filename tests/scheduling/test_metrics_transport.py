@@ -1330,6 +1330,23 @@ def test_band_gauges_go_with_pacing_off_and_the_counters_stay(
     assert metrics.BAND_TOKENS in exposed
 
 
+def recorded_payloads(scheduler) -> list:
+    """The parsed payloads of ``scheduler``'s every ``make_stats`` from now
+    on, appended to the list returned as they are built."""
+    payloads = []
+    make_stats = scheduler.make_stats
+
+    def recorded(*args, **kwargs):
+        stats = make_stats(*args, **kwargs)
+        raw = take_payload(stats)
+        if raw is not None:
+            payloads.append(parse(raw))
+        return stats
+
+    scheduler.make_stats = recorded
+    return payloads
+
+
 def test_the_scheduler_hands_the_bands_to_the_payload(tiny_model_dir: str) -> None:
     """On vLLM's real Scheduler, two slots: an interactive user's two streams
     run while a batch user's two wait. The payloads carry the tokens per band
@@ -1359,17 +1376,7 @@ def test_the_scheduler_hands_the_bands_to_the_payload(tiny_model_dir: str) -> No
             },
         )
     driver.step()  # the first step start with bands: stays count from here
-    payloads = []
-    make_stats = scheduler.make_stats
-
-    def recorded(*args, **kwargs):
-        stats = make_stats(*args, **kwargs)
-        raw = take_payload(stats)
-        if raw is not None:
-            payloads.append(parse(raw))
-        return stats
-
-    scheduler.make_stats = recorded
+    payloads = recorded_payloads(scheduler)
     interactive = [make_request("i", max_tokens=100_000) for _ in range(2)]
     batch = [make_request("b", max_tokens=100_000) for _ in range(2)]
     arrived_ns = driver.clock()
@@ -1426,17 +1433,7 @@ def test_a_band_keeps_the_tokens_of_a_user_forgotten_before_the_payload(
             bands=BANDS,
             default=dataclasses.replace(shared.policy.default, band="standard"),
         )
-    payloads = []
-    make_stats = scheduler.make_stats
-
-    def recorded(*args, **kwargs):
-        stats = make_stats(*args, **kwargs)
-        raw = take_payload(stats)
-        if raw is not None:
-            payloads.append(parse(raw))
-        return stats
-
-    scheduler.make_stats = recorded
+    payloads = recorded_payloads(scheduler)
     driver.add([make_request("s", max_tokens=50)])
     while scheduler.has_unfinished_requests():
         driver.step()
