@@ -1,6 +1,7 @@
-"""The waiting queue per priority band, for the metrics: how many requests of
-each band wait, and how long they waited (``pacing.bands``; the payload
-carries it, ``engine_ext.payload_builder``).
+"""The waiting queue per priority band: how many requests of each band wait,
+and how long they waited, for the metrics (``pacing.bands``; the payload
+carries it, ``engine_ext.payload_builder``) and for band preemption's grace
+(``bands.PREEMPT_AFTER_NS``: how long a request has waited).
 
 While the policy has more than one band (as of the last step's start):
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from engine_ext.scheduling.upstream import STARTABLE, Upstream
+from engine_ext.scheduling.upstream import STARTABLE, Request, Upstream
 from pacing.bands import BandTable
 
 
@@ -34,6 +35,7 @@ class BandStats:
     """Per-band waits and the waiting queue per band (the engine thread's)."""
 
     __slots__ = (
+        "_band_of_id",
         "_bands_of",
         "_names",
         "_since",
@@ -47,11 +49,14 @@ class BandStats:
         self,
         upstream: Upstream,
         table: Callable[[], BandTable],
-        bands_of: Callable[[Sequence[str]], list[int]],
+        bands_of: Callable[[Sequence[Request]], list[int]],
+        band_of_id: Callable[[str], int],
     ) -> None:
         self.upstream = upstream
         self._table = table
+        #: Each request's band (``BandSteps.bands_of``), and by request id.
         self._bands_of = bands_of
+        self._band_of_id = band_of_id
         #: band name -> ns requests of the band waited, cumulative.
         self.wait_ns: dict[str, int] = {}
         #: When the last step started, while the policy had bands then; None:
@@ -97,6 +102,14 @@ class BandStats:
             if began is not None:
                 self._add(request_id, step_ns - began)
 
+    def waited_ns(self, request_id: str) -> int | None:
+        """How long ``request_id``'s stay in the waiting queue had lasted at
+        this step's start; None if no stay of it is counted (not waiting, or
+        it began while the policy had no bands)."""
+        began = self._since.get(request_id)
+        step_ns = self.step_ns
+        return None if began is None or step_ns is None else step_ns - began
+
     def request_ended(self, request_id: str, now_ns: int) -> None:
         """A request ended; if it ended waiting, its stay ends now."""
         began = self._since.pop(request_id, None)
@@ -112,9 +125,7 @@ class BandStats:
         names = self._names
         counts = dict.fromkeys(names, 0)
         startable = [
-            request.request_id
-            for request in self.upstream.waiting
-            if request.status in STARTABLE
+            request for request in self.upstream.waiting if request.status in STARTABLE
         ]
         for band in self._bands_of(startable):
             counts[names_at(band, names)] += 1
@@ -132,7 +143,7 @@ class BandStats:
     def _add(self, request_id: str, ns: int) -> None:
         if ns <= 0:
             return
-        name = names_at(self._bands_of((request_id,))[0], self._names)
+        name = names_at(self._band_of_id(request_id), self._names)
         self.wait_ns[name] = self.wait_ns.get(name, 0) + ns
 
 

@@ -9,12 +9,15 @@ wait:
   ``fair_share`` orders by band and then by its counters, and moves slots for
   fair share only between requests of one band).
 - *Preemption*: when no slot is free for a waiting request of band ``k`` whose
-  user may start (has budget), a running request of a lower band yields its
-  slot (vLLM's preemption, recomputed on resume; prefix caching makes that
-  cheap): the lowest band first, in it the user holding the most slots, its
-  request with the fewest computed tokens. At most one victim per waiting
-  request, never more than the active cap lets start, after parked requests
-  have yielded (``slots``). A request that yielded for a band samples
+  user may start (has budget) and that has waited ``PREEMPT_AFTER_NS`` (a slot
+  that frees sooner spares a recomputation), a running request of a lower band
+  yields its slot (vLLM's preemption, recomputed on resume; prefix caching
+  makes that cheap): the lowest band first, in it the user holding the most
+  slots, its request with the fewest computed tokens. At most one victim per
+  waiting request, never more than the active cap lets start, after parked
+  requests have yielded (``slots``). So a request whose band has a victim
+  below it starts at the latest in the first step that starts
+  ``PREEMPT_AFTER_NS`` after its arrival. A request that yielded for a band samples
   ``MIN_RUN_TOKENS`` after it resumes before it may yield for a band again,
   so every admission earns tokens: each preemption lets one higher-band
   request start, and a lower-band request is preempted at most once per
@@ -31,7 +34,6 @@ Invariant: no request yields to one of its own or a lower band.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from engine_ext.scheduling.upstream import STARTABLE, Upstream
@@ -42,11 +44,14 @@ from pacing.identity import ANONYMOUS_USER
 if TYPE_CHECKING:
     from engine_ext.scheduling.upstream import Request
 
-_REQUEST_ID = attrgetter("request_id")
-
 #: Output tokens a request samples after it resumes before it may yield its
 #: slot to a higher band again.
 MIN_RUN_TOKENS = 16
+#: How long a higher band's request waits for a slot to free by itself before
+#: a lower band's running request yields one (scheduler clock, from arrival:
+#: ``BandStats.waited_ns``). Most waits on a busy engine end sooner, as
+#: requests finish; each preemption avoided is a prefill not recomputed.
+PREEMPT_AFTER_NS = 50_000_000
 #: Users whose band is cached at most (then the cache starts over).
 _MAX_CACHED_USERS = 65_536
 #: Why bands do not run under PRIORITY scheduling.
@@ -64,6 +69,7 @@ class BandSteps:
         "_by_request",
         "_by_user",
         "_cached_table",
+        "_request_of",
         "book",
         "floor",
         "request_band",
@@ -71,6 +77,7 @@ class BandSteps:
         "team_of",
         "tier_of",
         "upstream",
+        "waited_ns",
     )
 
     def __init__(
@@ -96,10 +103,17 @@ class BandSteps:
         #: The table the caches below were filled under (a change of
         #: membership or band comes with a new table, and empties them).
         self._cached_table: BandTable | None = None
-        #: request id -> its band, for the live requests looked up.
-        self._by_request: dict[str, int] = {}
+        #: A live request looked up -> its band. Keyed by the request itself:
+        #: its hash reads no attribute, so the step's walks touch one line of
+        #: each request's memory, not three (its id and that string too).
+        self._by_request: dict[Request, int] = {}
+        #: request id -> the request, for those in ``_by_request``.
+        self._request_of: dict[str, Request] = {}
         #: user -> its band.
         self._by_user: dict[str, int] = {}
+        #: How long a waiting request has waited at this step's start (None:
+        #: not known, taken as long enough): ``BandStats.waited_ns``.
+        self.waited_ns: Callable[[str], int | None] = _unknown_wait
 
     def active(self) -> bool:
         """Whether bands order this step: more than one band, FCFS scheduling
@@ -110,21 +124,34 @@ class BandSteps:
     def band_of(self, request: Request) -> int:
         """``request``'s band index (0: the highest)."""
         self._current_table()
-        band = self._by_request.get(request.request_id)
-        return self._learned(request.request_id) if band is None else band
+        band = self._by_request.get(request)
+        return self._learned(request) if band is None else band
 
-    def bands_of(self, request_ids: Sequence[str]) -> list[int]:
-        """The band index of each of ``request_ids``, in order (one table
-        check, then a dict read per request: the step's walks call this)."""
+    def bands_of(self, requests: Sequence[Request]) -> list[int]:
+        """The band index of each of ``requests``, in order (one table check,
+        then a dict read per request: the step's walks call this)."""
         self._current_table()
-        bands = list(map(self._by_request.get, request_ids))
-        if None in bands:
-            learned = self._learned
-            return [
-                learned(request_id) if band is None else band
-                for request_id, band in zip(request_ids, bands, strict=True)
-            ]
+        bands = list(map(self._by_request.get, requests))
+        if None in bands:  # arrived under another table: learned here, once
+            learned, i = self._learned, -1
+            while (i := _index_of_none(bands, i + 1)) >= 0:
+                bands[i] = learned(requests[i])
         return bands  # type: ignore[return-value]
+
+    def added(self, request: Request) -> None:
+        """A request arrived (its user and objective known): its band is
+        learned now, off the step's walks."""
+        if self.table().active:
+            self.band_of(request)
+
+    def band_of_id(self, request_id: str) -> int:
+        """The band of the request ``request_id`` (one looked up before: as
+        then; else its objective's or its user's now)."""
+        self._current_table()
+        request = self._request_of.get(request_id)
+        if request is not None and (band := self._by_request.get(request)) is not None:
+            return band
+        return self._band_under_table(request_id)
 
     def _current_table(self) -> None:
         """Empties the caches if the table in force changed since they filled."""
@@ -132,12 +159,20 @@ class BandSteps:
         if table is not self._cached_table:
             self._cached_table = table
             self._by_request = {}
+            self._request_of = {}
             self._by_user = {}
 
-    def _learned(self, request_id: str) -> int:
-        """The band of ``request_id`` under the cached table: the gateway's
-        objective band (unless a reload left fewer bands than it names), else
-        its user's; remembered until the request ends."""
+    def _learned(self, request: Request) -> int:
+        """``request``'s band under the cached table, remembered until the
+        request ends."""
+        request_id = request.request_id
+        band = self._by_request[request] = self._band_under_table(request_id)
+        self._request_of[request_id] = request
+        return band
+
+    def _band_under_table(self, request_id: str) -> int:
+        """The gateway's objective band of ``request_id`` (unless a reload left
+        fewer bands than it names), else its user's (cached per user)."""
         table = self._cached_table
         assert table is not None
         band = self.request_band.get(request_id)
@@ -151,13 +186,14 @@ class BandSteps:
                 band = by_user[user] = table.index_of(
                     user, self.tier_of(user), self.team_of(user)
                 )
-        self._by_request[request_id] = band
         return band
 
     def request_ended(self, request_id: str) -> None:
         self.request_band.pop(request_id, None)
         self.floor.pop(request_id, None)
-        self._by_request.pop(request_id, None)
+        request = self._request_of.pop(request_id, None)
+        if request is not None:
+            self._by_request.pop(request, None)
 
     def preempted(self, request: Request) -> None:
         """Any preemption: the request must sample ``MIN_RUN_TOKENS`` after it
@@ -171,10 +207,10 @@ class BandSteps:
         if upstream.waiting_count() == 0:
             return
         waiting = list(upstream.waiting)
-        bands = self.bands_of(list(map(_REQUEST_ID, waiting)))
+        bands = self.bands_of(waiting)
         if self._yield_to_higher(waiting, bands, can_start):
             waiting = list(upstream.waiting)  # the victims joined it
-            bands = self.bands_of(list(map(_REQUEST_ID, waiting)))
+            bands = self.bands_of(waiting)
         if order and bands != sorted(bands):
             ranks = sorted(range(len(waiting)), key=bands.__getitem__)
             upstream.reorder_waiting([waiting[i] for i in ranks])
@@ -196,7 +232,7 @@ class BandSteps:
             return False  # every waiting request finds a slot
         best = min(bands)
         running = upstream.running
-        running_bands = self.bands_of(list(map(_REQUEST_ID, running)))
+        running_bands = self.bands_of(running)
         lowest_running = max(running_bands, default=-1)
         if lowest_running <= best:
             return False  # nothing runs below the best waiting band
@@ -212,14 +248,19 @@ class BandSteps:
         if len(above) <= free:
             return False
         user_of = self.book.user_of
-        receivers: list[int] = []
+        receivers: list[tuple[int, str]] = []
         for band, i in above:
             request = waiting[i]
             if request.status in STARTABLE and can_start(
                 user_of.get(request.request_id, ANONYMOUS_USER)
             ):
-                receivers.append(band)
-        wanting = receivers[free:]
+                receivers.append((band, request.request_id))
+        waited_ns = self.waited_ns
+        wanting = [
+            band
+            for band, request_id in receivers[free:]
+            if (waited := waited_ns(request_id)) is None or waited >= PREEMPT_AFTER_NS
+        ]
         if not wanting:
             return False
         held_by: dict[tuple[int, str], int] = {}
@@ -245,6 +286,18 @@ class BandSteps:
             upstream.preempt(victim_request)
             yielded = True
         return yielded
+
+
+def _unknown_wait(request_id: str) -> None:
+    return None
+
+
+def _index_of_none(values: list[int | None], start: int) -> int:
+    """The index of the first None in ``values`` from ``start`` (-1: none)."""
+    try:
+        return values.index(None, start)
+    except ValueError:
+        return -1
 
 
 def _best_victim(

@@ -21,13 +21,14 @@ yield their slot and KV blocks to the needy (``slots``).
 A team borrows only while every needy user is one of its members
 (``Borrowing.spare_for_team``). The scan stops once the needy users have two
 owners (teams, or users without one: enough to tell anyone's spare), and
-each user's budget is read once per step; the whole queue is kept (as a set of
-its requests).
+each user's budget is read once per step. Whether a request waited at the
+previous step's start is told by the step it last joined the queue in (its
+arrival or its preemption), so the queue is never copied.
 """
 
 from __future__ import annotations
 
-from engine_ext.scheduling.upstream import STARTABLE, Request, Upstream
+from engine_ext.scheduling.upstream import STARTABLE, Upstream
 from engine_ext.scheduling.users import UserBook
 from pacing.ceilings import Borrowing
 from pacing.identity import ANONYMOUS_USER
@@ -40,23 +41,39 @@ _ENOUGH = 2
 class SpareCapacity:
     """Finds each step's needy holders (the shared limiter's lock is held)."""
 
-    __slots__ = ("_waited", "book", "upstream")
+    __slots__ = ("_joined", "_step", "book", "upstream")
 
     def __init__(self, upstream: Upstream, book: UserBook) -> None:
         self.upstream = upstream
         self.book = book
-        #: The waiting requests at the last step's start.
-        self._waited: set[Request] = set()
+        #: Steps started so far (the current one included).
+        self._step = 0
+        #: request id -> the value of ``_step`` when it last joined the waiting
+        #: queue (arrived or was preempted).
+        self._joined: dict[str, int] = {}
+
+    def step_started(self) -> None:
+        """A step starts (every step, whether or not it lends)."""
+        self._step += 1
+
+    def joined(self, request_id: str) -> None:
+        """A request arrived in the waiting queue, or went back to it."""
+        self._joined[request_id] = self._step
+
+    def ended(self, request_id: str) -> None:
+        self._joined.pop(request_id, None)
 
     def lend(self, borrowing: Borrowing, now_ns: int) -> None:
         """Tells ``borrowing`` this step's needy holders."""
         upstream = self.upstream
         if not upstream.anything_waits():
-            self._waited = set()
             borrowing.lend_to(())
             return
         full = upstream.held_slots() >= upstream.slots
-        waited = self._waited
+        joined = self._joined
+        # Joined before the previous step started: it waited through it
+        # (unknown: taken as waited, so nobody borrows on a guess).
+        before_last = self._step - 1
         user_of = self.book.user_of
         own = borrowing.base
         owner_of = borrowing.owner_of
@@ -64,9 +81,12 @@ class SpareCapacity:
         needy: list[str] = []
         owners: set[tuple[str, str]] = set()
         for request in upstream.waiting:
-            if request.status not in STARTABLE or not (full or request in waited):
+            if request.status not in STARTABLE:
                 continue
-            user = user_of.get(request.request_id, ANONYMOUS_USER)
+            request_id = request.request_id
+            if not full and joined.get(request_id, -1) >= before_last:
+                continue
+            user = user_of.get(request_id, ANONYMOUS_USER)
             if user in needy:
                 continue
             has = within.get(user)
@@ -77,5 +97,4 @@ class SpareCapacity:
                 owners.add(owner_of(user))
                 if len(owners) >= _ENOUGH:
                     break
-        self._waited = set(upstream.waiting)
         borrowing.lend_to(needy)

@@ -109,8 +109,12 @@ class Steps:
             lambda user: shared.teams.team_of(user),
         )
         self.fair.band_of = self.bands.band_of
-        #: Per-band waiting requests and wait time, for the metrics.
-        self.band_stats = BandStats(upstream, lambda: shared.bands, self.bands.bands_of)
+        #: Per-band waiting requests and wait time, for the metrics and for
+        #: how long a request waited before a lower band yields to it.
+        self.band_stats = BandStats(
+            upstream, lambda: shared.bands, self.bands.bands_of, self.bands.band_of_id
+        )
+        self.bands.waited_ns = self.band_stats.waited_ns
         #: Ceilings (``spare``): who waits for capacity, so nobody borrows it.
         self.spare = SpareCapacity(upstream, book)
         self.engine_late = EngineLate()
@@ -142,13 +146,17 @@ class Steps:
 
     def request_added(self, request: Request) -> None:
         """A request arrived (its user and objective band known)."""
+        with self.shared.lock:  # the band reads the policy's tiers and teams
+            self.bands.added(request)
         self.band_stats.added(request.request_id, self.clock())
+        self.spare.joined(request.request_id)
         self.prompt.add(request)
 
     def preempted(self, request: Request) -> None:
         """A running request goes back to the waiting queue (any preemption)."""
         self.bands.preempted(request)
         self.band_stats.preempted(request.request_id)
+        self.spare.joined(request.request_id)
         if self.shared.fair_share.enabled:
             self.fair.preempted(request)
 
@@ -159,6 +167,7 @@ class Steps:
         self.fair.request_ended(request_id)
         self.band_stats.request_ended(request_id, self.clock())
         self.bands.request_ended(request_id)
+        self.spare.ended(request_id)
         self.prompt.ended(request_id, self.clock)
         if not self.episodes:
             return None
@@ -178,6 +187,7 @@ class Steps:
         mode = shared.mode
         now_ns = self.clock()
         self.band_stats.step_start(now_ns)
+        self.spare.step_started()
         self.engine_late.record(
             now_ns,
             counted=mode is not Mode.OFF,

@@ -7,6 +7,10 @@ of ``Request`` they read are listed in ``REQUEST_FIELDS``. The concern modules o
 so a new vLLM version means checking this module and the thin class
 (``engine_ext.scheduler``), which overrides upstream's methods.
 
+Requests hash by identity (vLLM's ``Request`` defines neither ``__eq__`` nor
+``__hash__``), so the concern modules key dicts and sets by the request
+itself: a lookup then reads no attribute of it.
+
 Invariant: ``Upstream`` reads through to the scheduler for everything upstream
 changes during its life (``running`` is replaced by ``update_from_output``) and
 keeps only settings fixed at construction.
@@ -15,11 +19,12 @@ keeps only settings fixed at construction.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
@@ -147,8 +152,13 @@ class Upstream:
 
     def reorder_waiting(self, order: list[Request]) -> None:
         """Puts the waiting queue in ``order`` (every request of the queue,
-        once), through the queue's own methods."""
+        once): an FCFS queue is a deque, refilled at once; any other through
+        the queue's own methods."""
         queue = self._scheduler.waiting
+        if isinstance(queue, FCFSRequestQueue):
+            deque.clear(queue)
+            deque.extend(queue, order)
+            return
         queue.remove_requests(order)
         queue.prepend_requests(reversed(order))  # prepends each: in order
 

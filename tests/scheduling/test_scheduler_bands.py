@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine_ext.scheduling.bands import MIN_RUN_TOKENS
+from engine_ext.scheduling.bands import MIN_RUN_TOKENS, PREEMPT_AFTER_NS
 from engine_ext.scheduling.upstream import STARTABLE
 from pacing.policy.model import Limits, User
 from tests.scheduling.test_scheduler_fair_share import Backlog
@@ -152,13 +152,15 @@ def test_seeded_workloads_never_start_a_lower_band_while_a_higher_one_waits(
 
 
 @SYNC_AND_ASYNC
-def test_an_interactive_user_starts_at_once_in_a_saturated_batch_band(
+def test_an_interactive_user_starts_after_the_grace_in_a_saturated_batch_band(
     tiny_model_dir, async_scheduling
 ):
-    """Four slots held by two batch users (8 and 2 streams): an interactive
-    user's 2 streams start in the step they arrive in, and are never slower
-    than a batch stream; with fair share the batch users split the rest by
-    weight (equal), within a band."""
+    """Four slots held by two batch users (8 and 2 streams) that never end:
+    an interactive user's 2 streams wait ``PREEMPT_AFTER_NS`` for a slot to
+    free by itself, then batch streams yield theirs in the first step that
+    starts that long after their arrival; they are never slower than a batch
+    stream; with fair share the batch users split the rest by weight (equal),
+    within a band."""
     users = {"i": "interactive", "b8": "batch", "b2": "batch"}
     scheduler, driver = banded_scheduler(
         tiny_model_dir, async_scheduling, users, fair=True, max_num_seqs=4
@@ -168,9 +170,12 @@ def test_an_interactive_user_starts_at_once_in_a_saturated_batch_band(
     driver.add(batch)
     driver.run(100)
     interactive = [make_request("i", max_tokens=100_000) for _ in range(2)]
+    arrived_ns = driver.clock()
     driver.add(interactive)
-    driver.step()
-    scheduled = driver.outputs[-1].num_scheduled_tokens
+    while driver.clock() - arrived_ns < PREEMPT_AFTER_NS:
+        scheduled = driver.step().num_scheduled_tokens
+        assert not any(r.request_id in scheduled for r in interactive)
+    scheduled = driver.step().num_scheduled_tokens
     assert all(r.request_id in scheduled for r in interactive)
     before = {r.request_id: r.num_output_tokens for r in batch + interactive}
     # The tiny model's context (512) ends a stream before long.

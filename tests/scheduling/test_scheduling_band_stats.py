@@ -42,7 +42,8 @@ class Queue:
         self.stats = BandStats(
             SimpleNamespace(waiting=self.waiting),  # type: ignore[arg-type]
             lambda: self.table,
-            lambda ids: [self.known[i].band for i in ids],
+            lambda requests: [r.band for r in requests],
+            lambda request_id: self.known[request_id].band,
         )
 
     def add(self, request_id: str, band: int, at: int, **kw) -> FakeRequest:

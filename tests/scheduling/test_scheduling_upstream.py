@@ -95,6 +95,13 @@ def test_every_request_field_relied_on_exists_on_vllms_request():
     assert request.status == RequestStatus.WAITING
 
 
+def test_requests_hash_by_identity():
+    first, second = make_request("u", request_id="r"), make_request("u", request_id="r")
+    assert Request.__hash__ is object.__hash__
+    assert Request.__eq__ is object.__eq__
+    assert len({first, second}) == 2
+
+
 def test_the_hooked_methods_exist_with_the_signatures_relied_on():
     expected = {
         "_reserve_prefill_lookahead": [
