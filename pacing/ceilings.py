@@ -170,6 +170,7 @@ class Borrowing:
         "ceiling_of",
         "cells",
         "rate_of",
+        "take_up_to",
         "team_of",
     )
 
@@ -196,6 +197,11 @@ class Borrowing:
         self.cells = BorrowCells(burst_ns)
         self._needy: frozenset[str] = frozenset()
         self._bumps = 0
+        #: ``BudgetSource.take_up_to``: the base's own while two holders or
+        #: more are needy (nobody may borrow: no call of ours in between).
+        self.take_up_to: Callable[[str, int, int], tuple[int, int]] = (
+            self._take_borrowing
+        )
 
     @property
     def limit_changes(self) -> int:
@@ -219,6 +225,9 @@ class Borrowing:
         ):
             self._bumps += 1  # someone (a user or a team) spare before may not be
         self._needy = needy
+        self.take_up_to = (
+            self.base.take_up_to if len(needy) >= 2 else self._take_borrowing
+        )
 
     def owner_of(self, user: str) -> tuple[str, str]:
         """Whose spare a needy ``user`` takes away: its team's, else its own
@@ -247,7 +256,9 @@ class Borrowing:
             user, self.rate_of(user), self.ceiling_of(user), now_ns
         )
 
-    def take_up_to(self, user: str, most: int, now_ns: int) -> tuple[int, int]:
+    def _take_borrowing(self, user: str, most: int, now_ns: int) -> tuple[int, int]:
+        """Takes of ``user``'s own budget first, then, while the engine is
+        spare for it, of its borrow cell."""
         taken, left = self.base.take_up_to(user, most, now_ns)
         if (
             taken == most
@@ -264,6 +275,8 @@ class Borrowing:
         """Charges each user's own budget as far as it goes and, while the
         engine is spare for it, the rest to its borrow cell (a free step's
         charges: each user was known to have them)."""
+        if len(self._needy) >= 2:  # nobody may borrow
+            return self.base.take_each(counts, now_ns)
         own: dict[str, int] = {}
         lent: dict[str, int] = {}
         for user, count in counts.items():

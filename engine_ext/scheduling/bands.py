@@ -237,29 +237,33 @@ class BandSteps:
         if lowest_running <= best:
             return False  # nothing runs below the best waiting band
         at_or_below = sum(map(bands.count, range(lowest_running, max(bands) + 1)))
-        if len(bands) - at_or_below <= free:
+        above_count = len(bands) - at_or_below
+        if above_count <= free:
             return False  # the free slots take every request that could preempt
-        # The receivers in band order: the first ``free`` take the free slots,
-        # each one after them may free a slot (and a place under the active
-        # cap) of a lower band.
-        above = sorted(
-            (band, i) for i, band in enumerate(bands) if band < lowest_running
-        )
-        if len(above) <= free:
+        # The waiting requests above the lowest running band, in band order:
+        # the first ``free`` receivers (those that may start) take the free
+        # slots, each one after them may free a slot (and a place under the
+        # active cap) of a lower band once it waited long enough. A receiver's
+        # place is at most its place here, so one after the first ``free``
+        # here must have waited.
+        above = sorted(range(len(bands)), key=bands.__getitem__)[:above_count]
+        waited_ns = self.waited_ns
+        if not any(
+            _waited_enough(waited_ns(waiting[i].request_id)) for i in above[free:]
+        ):
             return False
         user_of = self.book.user_of
         receivers: list[tuple[int, str]] = []
-        for band, i in above:
+        for i in above:
             request = waiting[i]
             if request.status in STARTABLE and can_start(
                 user_of.get(request.request_id, ANONYMOUS_USER)
             ):
-                receivers.append((band, request.request_id))
-        waited_ns = self.waited_ns
+                receivers.append((bands[i], request.request_id))
         wanting = [
             band
             for band, request_id in receivers[free:]
-            if (waited := waited_ns(request_id)) is None or waited >= PREEMPT_AFTER_NS
+            if _waited_enough(waited_ns(request_id))
         ]
         if not wanting:
             return False
@@ -290,6 +294,12 @@ class BandSteps:
 
 def _unknown_wait(request_id: str) -> None:
     return None
+
+
+def _waited_enough(waited_ns: int | None) -> bool:
+    """Whether a request that waited ``waited_ns`` (None: not known) may take
+    a lower band's slot."""
+    return waited_ns is None or waited_ns >= PREEMPT_AFTER_NS
 
 
 def _index_of_none(values: list[int | None], start: int) -> int:
