@@ -1,24 +1,26 @@
 """Priority bands in the step: a waiting request of a higher band starts before
 any of a lower band (``pacing.bands`` holds the bands and each user's).
 
-At every step's start, while the policy has more than one band and requests
-wait:
+While the policy has more than one band (and the mode is not ``off``):
 
-- *Order*: the waiting queue is sorted by band, highest first, stably (so
-  within a band the order is upstream's, or fair share's: with fair share on,
+- *Order*: the waiting queue is banded (``upstream_queue.BandedQueue``, set
+  up at a step's start): it is in band order, highest first, at all times, and
+  within a band in upstream's order, or fair share's (with fair share on,
   ``fair_share`` orders by band and then by its counters, and moves slots for
-  fair share only between requests of one band).
-- *Preemption*: when no slot is free for a waiting request of band ``k`` whose
-  user may start (has budget) and that has waited ``PREEMPT_AFTER_NS`` (a slot
-  that frees sooner spares a recomputation), a running request of a lower band
-  yields its slot (vLLM's preemption, recomputed on resume; prefix caching
-  makes that cheap): the lowest band first, in it the user holding the most
-  slots, its request with the fewest computed tokens. At most one victim per
+  fair share only between requests of one band). Arrivals take their band at
+  the next step's start; a change of table places every request again.
+- *Preemption*, at every step's start: when no slot is free for a waiting
+  request of band ``k`` whose user may start (has budget) and that has waited
+  ``PREEMPT_AFTER_NS`` (a slot that frees sooner spares a recomputation), a
+  running request of a lower band yields its slot (vLLM's preemption,
+  recomputed on resume; prefix caching makes that cheap): the lowest band
+  first, in it the user holding the most slots, its request with the fewest
+  computed tokens. At most one victim per
   waiting request, never more than the active cap lets start, after parked
   requests have yielded (``slots``). So a request whose band has a victim
   below it starts at the latest in the first step that starts
-  ``PREEMPT_AFTER_NS`` after its arrival. A request that yielded for a band samples
-  ``MIN_RUN_TOKENS`` after it resumes before it may yield for a band again,
+  ``PREEMPT_AFTER_NS`` after its arrival. A request that yielded for a band
+  samples ``MIN_RUN_TOKENS`` after it resumes before it may yield again,
   so every admission earns tokens: each preemption lets one higher-band
   request start, and a lower-band request is preempted at most once per
   ``MIN_RUN_TOKENS`` of its output.
@@ -69,6 +71,7 @@ class BandSteps:
         "_by_request",
         "_by_user",
         "_cached_table",
+        "_queued_table",
         "_request_of",
         "book",
         "floor",
@@ -109,6 +112,8 @@ class BandSteps:
         self._by_request: dict[Request, int] = {}
         #: request id -> the request, for those in ``_by_request``.
         self._request_of: dict[str, Request] = {}
+        #: The table the banded waiting queue was placed under.
+        self._queued_table: BandTable | None = None
         #: user -> its band.
         self._by_user: dict[str, int] = {}
         #: How long a waiting request has waited at this step's start (None:
@@ -137,12 +142,6 @@ class BandSteps:
             while (i := _index_of_none(bands, i + 1)) >= 0:
                 bands[i] = learned(requests[i])
         return bands  # type: ignore[return-value]
-
-    def added(self, request: Request) -> None:
-        """A request arrived (its user and objective known): its band is
-        learned now, off the step's walks."""
-        if self.table().active:
-            self.band_of(request)
 
     def band_of_id(self, request_id: str) -> int:
         """The band of the request ``request_id`` (one looked up before: as
@@ -200,45 +199,50 @@ class BandSteps:
         resumes before it may yield for a band."""
         self.floor[request.request_id] = request.num_output_tokens + MIN_RUN_TOKENS
 
-    def before_step(self, can_start: Callable[[str], bool], *, order: bool) -> None:
-        """Preempts lower bands' running requests for waiting higher-band ones
-        and, with ``order``, sorts the waiting queue by band."""
+    def step_start(self, on: bool) -> None:
+        """A step starts: the waiting queue is banded while bands order the
+        steps (``on``), FCFS otherwise; a banded one is placed again if the
+        table changed, and takes its arrivals into their bands."""
         upstream = self.upstream
-        if upstream.waiting_count() == 0:
+        queue = upstream.banded_waiting
+        if not on:
+            if queue is not None:
+                upstream.unband_waiting()
             return
-        waiting = list(upstream.waiting)
-        bands = self.bands_of(waiting)
-        if self._yield_to_higher(waiting, bands, can_start):
-            waiting = list(upstream.waiting)  # the victims joined it
-            bands = self.bands_of(waiting)
-        if order and bands != sorted(bands):
-            ranks = sorted(range(len(waiting)), key=bands.__getitem__)
-            upstream.reorder_waiting([waiting[i] for i in ranks])
+        table = self.table()
+        if queue is None:
+            self._queued_table = table
+            upstream.band_waiting(self.band_of)
+        elif table is not self._queued_table:
+            self._queued_table = table
+            queue.rebucket()
+        else:
+            queue.place_arrivals()
 
-    def _yield_to_higher(
-        self,
-        waiting: list[Request],
-        bands: list[int],
-        can_start: Callable[[str], bool],
-    ) -> bool:
-        """Preempts for the waiting requests the free slots cannot take;
-        whether any request yielded. The cheap checks come first (most steps
-        of a saturated engine have nothing to move), and only the waiting
-        requests above the lowest running band are looked at: the free slots
-        go to the highest bands first, so those below cannot take a victim."""
+    def before_step(self, can_start: Callable[[str], bool]) -> bool:
+        """Preempts lower bands' running requests for waiting higher-band ones
+        (the banded queue keeps the order); whether any yielded. The cheap
+        checks come first (most steps of a saturated engine have nothing to
+        move), and only the waiting requests above the lowest running band
+        are looked at: the free slots go to the highest bands first, so those
+        below cannot take a victim."""
         upstream = self.upstream
+        queue = upstream.banded_waiting
+        if not queue:
+            return False
         free = max(0, upstream.slots - upstream.held_slots())
-        if len(waiting) <= free:
+        if len(queue) <= free:
             return False  # every waiting request finds a slot
-        best = min(bands)
+        counts = list(map(len, queue.bands))
+        best = next((band for band, count in enumerate(counts) if count), None)
+        if best is None:
+            return False  # arrivals only: placed at the next step's start
         running = upstream.running
         running_bands = self.bands_of(running)
         lowest_running = max(running_bands, default=-1)
         if lowest_running <= best:
             return False  # nothing runs below the best waiting band
-        at_or_below = sum(map(bands.count, range(lowest_running, max(bands) + 1)))
-        above_count = len(bands) - at_or_below
-        if above_count <= free:
+        if sum(counts[:lowest_running]) <= free:
             return False  # the free slots take every request that could preempt
         # The waiting requests above the lowest running band, in band order:
         # the first ``free`` receivers (those that may start) take the free
@@ -246,20 +250,24 @@ class BandSteps:
         # active cap) of a lower band once it waited long enough. A receiver's
         # place is at most its place here, so one after the first ``free``
         # here must have waited.
-        above = sorted(range(len(bands)), key=bands.__getitem__)[:above_count]
+        bands = queue.bands
+        above = [
+            (band, request)
+            for band in range(best, lowest_running)
+            for request in bands[band]
+        ]
         waited_ns = self.waited_ns
         if not any(
-            _waited_enough(waited_ns(waiting[i].request_id)) for i in above[free:]
+            _waited_enough(waited_ns(request.request_id)) for _, request in above[free:]
         ):
             return False
         user_of = self.book.user_of
         receivers: list[tuple[int, str]] = []
-        for i in above:
-            request = waiting[i]
+        for band, request in above:
             if request.status in STARTABLE and can_start(
                 user_of.get(request.request_id, ANONYMOUS_USER)
             ):
-                receivers.append((bands[i], request.request_id))
+                receivers.append((band, request.request_id))
         wanting = [
             band
             for band, request_id in receivers[free:]

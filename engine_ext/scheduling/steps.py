@@ -146,8 +146,6 @@ class Steps:
 
     def request_added(self, request: Request) -> None:
         """A request arrived (its user and objective band known)."""
-        with self.shared.lock:  # the band reads the policy's tiers and teams
-            self.bands.added(request)
         self.band_stats.added(request.request_id, self.clock())
         self.spare.joined(request.request_id)
         self.prompt.add(request)
@@ -188,6 +186,7 @@ class Steps:
         now_ns = self.clock()
         self.band_stats.step_start(now_ns)
         self.spare.step_started()
+        self.bands.step_start(mode is not Mode.OFF and self.bands.active())
         self.engine_late.record(
             now_ns,
             counted=mode is not Mode.OFF,
@@ -262,7 +261,7 @@ class Steps:
                 return user not in set_aside
 
             if banded:
-                self.bands.before_step(can_start, order=not fair)
+                self.bands.before_step(can_start)
             if fair:
                 self.fair.before_step(set_aside, can_start, banded=banded)
         output = upstream.schedule(throttle_prefills)
@@ -430,8 +429,7 @@ class Steps:
                 self.slots.yield_for_waiting(step)
             if self.bands.active():
                 self.bands.before_step(
-                    (lambda user: True) if shadow else step.has_budget,
-                    order=not fair,
+                    (lambda user: True) if shadow else step.has_budget
                 )
             if fair:
                 self._fair_share_start(step, shadow)

@@ -28,6 +28,8 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
+from engine_ext.scheduling.upstream_queue import BandedQueue
+
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -37,6 +39,7 @@ __all__ = [
     "RUNNING",
     "STARTABLE",
     "STEP_HOOK_NAMES",
+    "BandedQueue",
     "Request",
     "SchedulerOutput",
     "Upstream",
@@ -152,15 +155,41 @@ class Upstream:
 
     def reorder_waiting(self, order: list[Request]) -> None:
         """Puts the waiting queue in ``order`` (every request of the queue,
-        once): an FCFS queue is a deque, refilled at once; any other through
-        the queue's own methods."""
+        once; a banded queue: within each band). An FCFS queue is a deque,
+        refilled at once; any other goes through the queue's own methods."""
         queue = self._scheduler.waiting
+        if isinstance(queue, BandedQueue):
+            queue.refill(order)
+            return
         if isinstance(queue, FCFSRequestQueue):
             deque.clear(queue)
             deque.extend(queue, order)
             return
         queue.remove_requests(order)
         queue.prepend_requests(reversed(order))  # prepends each: in order
+
+    @property
+    def banded_waiting(self) -> BandedQueue | None:
+        """The waiting queue while it is banded (``band_waiting``)."""
+        queue = self._scheduler.waiting
+        return queue if isinstance(queue, BandedQueue) else None
+
+    def band_waiting(self, band_of: Callable[[Request], int]) -> BandedQueue:
+        """Replaces the FCFS waiting queue with a banded one holding its
+        requests, by ``band_of`` (stably)."""
+        scheduler = self._scheduler
+        queue = BandedQueue(band_of)
+        waiting = list(scheduler.waiting)
+        for request in waiting:
+            queue.add_request(request)
+        queue.place_arrivals()
+        scheduler.waiting = queue
+        return queue
+
+    def unband_waiting(self) -> None:
+        """Puts back an FCFS waiting queue, in the banded queue's order."""
+        scheduler = self._scheduler
+        scheduler.waiting = FCFSRequestQueue(scheduler.waiting)
 
     def waiting_count(self) -> int:
         return len(self._scheduler.waiting)

@@ -10,9 +10,11 @@ import dataclasses
 import random
 
 import pytest
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
 from engine_ext.scheduling.bands import MIN_RUN_TOKENS, PREEMPT_AFTER_NS
-from engine_ext.scheduling.upstream import STARTABLE
+from engine_ext.scheduling.upstream import STARTABLE, BandedQueue
+from pacing.modes import Mode
 from pacing.policy.model import Limits, User
 from tests.scheduling.test_scheduler_fair_share import Backlog
 from tools.scheduler_harness import SYNC_AND_ASYNC, driven_scheduler, make_request
@@ -254,3 +256,54 @@ def test_within_a_band_weights_give_that_service_ratio(
     for user, weight in weights.items():
         share = backlog.tokens[user] / batch
         assert share == pytest.approx(weight / 10, rel=0.05), (user, share)
+
+
+@SYNC_AND_ASYNC
+def test_the_waiting_queue_is_banded_only_while_bands_order_the_steps(
+    tiny_model_dir, async_scheduling
+):
+    """While the policy has bands, vLLM's waiting queue is kept in band order
+    (FCFS within a band) and follows a reload that moves a user; a policy
+    without bands, or the mode off, puts back an FCFS queue of the same
+    requests in the same order."""
+    users = {"i": "interactive", "b": "batch"}
+    scheduler, driver = banded_scheduler(
+        tiny_model_dir, async_scheduling, users, max_num_seqs=1
+    )
+    shared = scheduler.output_rate_shared
+    driver.add([make_request("b", max_tokens=100_000)])
+    driver.step()
+    late = [make_request("b"), make_request("i"), make_request("b")]
+    driver.add(late)
+    driver.step()
+
+    def waiting() -> list[str]:
+        return [r.request_id for r in scheduler.waiting]
+
+    first_b, first_i, second_b = (r.request_id for r in late)
+    assert isinstance(scheduler.waiting, BandedQueue)
+    assert waiting() == [first_i, first_b, second_b]
+    banded = shared.policy
+    shared.policy = dataclasses.replace(
+        banded,
+        users={"b": User(Limits(band="interactive")), "i": User(Limits(band="batch"))},
+    )
+    driver.step()
+    assert waiting() == [first_b, second_b, first_i]
+    shared.mode = Mode.OFF
+    driver.step()
+    assert type(scheduler.waiting) is FCFSRequestQueue
+    assert waiting() == [first_b, second_b, first_i]
+    shared.mode = Mode.ENFORCE
+    driver.step()
+    assert isinstance(scheduler.waiting, BandedQueue)
+    assert waiting() == [first_b, second_b, first_i]
+    shared.policy = dataclasses.replace(
+        banded,
+        bands=(),
+        default=dataclasses.replace(banded.default, band=None),
+        users={},
+    )
+    driver.step()
+    assert type(scheduler.waiting) is FCFSRequestQueue
+    assert waiting() == [first_b, second_b, first_i]
