@@ -19,8 +19,9 @@ the arrivals'), and ``_band_at`` holds the band of each placed one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
+from typing import cast
 
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
@@ -67,15 +68,27 @@ class BandedQueue(RequestQueue):
         for request in everyone:
             self._place(request, front=False)
 
-    def refill(self, order: Iterable[Request]) -> None:
+    def refill(self, order: Sequence[Request]) -> None:
         """Puts the queue in ``order`` (every request of the queue, once)
-        within each band."""
-        for band in self.bands:
-            band.clear()
-        self.arrivals.clear()
-        self._band_at.clear()
-        for request in order:
-            self._place(request, front=False)
+        within each band: split by band at once where ``order`` is already
+        in band order (fair share's is), stably sorted by band first if not."""
+        band_at = self._band_at
+        found = list(map(band_at.get, order))
+        if None in found:  # arrivals among them: placed first
+            self.place_arrivals()
+            found = list(map(band_at.get, order))
+        bands = cast("list[int]", found)
+        if bands != sorted(bands):
+            ranks = sorted(range(len(order)), key=bands.__getitem__)
+            order = [order[i] for i in ranks]
+            bands = [bands[i] for i in ranks]
+        placed: list[deque[Request]] = []
+        start = 0
+        for band in range(len(self.bands)):
+            end = start + bands.count(band)
+            placed.append(deque(order[start:end]))
+            start = end
+        self.bands = placed
 
     def add_request(self, request: Request) -> None:
         self.arrivals.append(request)

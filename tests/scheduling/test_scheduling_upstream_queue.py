@@ -86,12 +86,17 @@ def test_rebucket_places_every_request_again_stably():
 
 
 def test_refill_orders_within_each_band():
-    queue = banded({"i1": 0, "i2": 0, "b1": 2, "b2": 2})
-    requests = added(queue, "i1", "i2", "b1", "b2")
+    queue = banded({"i1": 0, "i2": 0, "b1": 2, "b2": 2, "s": 1, "new": 0})
+    requests = added(queue, "i1", "i2", "b1", "b2", "s")
     queue.place_arrivals()
-    queue.refill([requests[r] for r in ("b2", "i2", "b1", "i1")])
-    assert ids(queue) == ["i2", "i1", "b2", "b1"]
-    assert len(queue) == 4
+    queue.refill([requests[r] for r in ("b2", "i2", "s", "b1", "i1")])
+    assert ids(queue) == ["i2", "i1", "s", "b2", "b1"]
+    queue.refill([requests[r] for r in ("i1", "i2", "s", "b1", "b2")])  # in order
+    assert ids(queue) == ["i1", "i2", "s", "b1", "b2"]
+    requests |= added(queue, "new")
+    queue.refill([requests[r] for r in ("b2", "new", "i2", "s", "b1", "i1")])
+    assert ids(queue) == ["new", "i2", "i1", "s", "b2", "b1"]
+    assert len(queue) == 6
 
 
 def test_removal_as_upstreams_queue():
