@@ -226,7 +226,7 @@ class Borrowing:
             self._bumps += 1  # someone (a user or a team) spare before may not be
         self._needy = needy
         self.take_up_to = (
-            self.base.take_up_to if len(needy) >= 2 else self._take_borrowing
+            self._take_borrowing if self._anyone_spare() else self.base.take_up_to
         )
 
     def owner_of(self, user: str) -> tuple[str, str]:
@@ -238,6 +238,11 @@ class Borrowing:
     def limits_changed(self) -> None:
         """A ceiling changed: cached headroom may be too high."""
         self._bumps += 1
+
+    def _anyone_spare(self) -> bool:
+        """Whether ``spare_for`` may hold for some user: not while two users or
+        more are needy."""
+        return len(self._needy) < 2
 
     def spare_for(self, user: str) -> bool:
         """Whether ``user`` may borrow in this step: nobody else is needy."""
@@ -275,7 +280,7 @@ class Borrowing:
         """Charges each user's own budget as far as it goes and, while the
         engine is spare for it, the rest to its borrow cell (a free step's
         charges: each user was known to have them)."""
-        if len(self._needy) >= 2:  # nobody may borrow
+        if not self._anyone_spare():
             return self.base.take_each(counts, now_ns)
         own: dict[str, int] = {}
         lent: dict[str, int] = {}

@@ -219,9 +219,9 @@ class BandSteps:
         else:
             queue.place_arrivals()
 
-    def before_step(self, can_start: Callable[[str], bool]) -> bool:
+    def before_step(self, can_start: Callable[[str], bool]) -> None:
         """Preempts lower bands' running requests for waiting higher-band ones
-        (the banded queue keeps the order); whether any yielded. The cheap
+        (the banded queue keeps the order). The cheap
         checks come first (most steps of a saturated engine have nothing to
         move), and only the waiting requests above the lowest running band
         are looked at: the free slots go to the highest bands first, so those
@@ -229,21 +229,21 @@ class BandSteps:
         upstream = self.upstream
         queue = upstream.banded_waiting
         if not queue:
-            return False
+            return
         free = max(0, upstream.slots - upstream.held_slots())
         if len(queue) <= free:
-            return False  # every waiting request finds a slot
+            return  # every waiting request finds a slot
         counts = list(map(len, queue.bands))
         best = next((band for band, count in enumerate(counts) if count), None)
         if best is None:
-            return False  # arrivals only: placed at the next step's start
+            return  # arrivals only: placed at the next step's start
         running = upstream.running
         running_bands = self.bands_of(running)
         lowest_running = max(running_bands, default=-1)
         if lowest_running <= best:
-            return False  # nothing runs below the best waiting band
+            return  # nothing runs below the best waiting band
         if sum(counts[:lowest_running]) <= free:
-            return False  # the free slots take every request that could preempt
+            return  # the free slots take every request that could preempt
         # The waiting requests above the lowest running band, in band order:
         # the first ``free`` receivers (those that may start) take the free
         # slots, each one after them may free a slot (and a place under the
@@ -260,7 +260,7 @@ class BandSteps:
         if not any(
             _waited_enough(waited_ns(request.request_id)) for _, request in above[free:]
         ):
-            return False
+            return
         user_of = self.book.user_of
         receivers: list[tuple[int, str]] = []
         for band, request in above:
@@ -274,7 +274,7 @@ class BandSteps:
             if _waited_enough(waited_ns(request_id))
         ]
         if not wanting:
-            return False
+            return
         held_by: dict[tuple[int, str], int] = {}
         candidates: list[tuple[int, str, Request]] = []
         floor = self.floor
@@ -287,7 +287,6 @@ class BandSteps:
                 request.request_id, 0
             ) and upstream.blocks_can_be_freed(request):
                 candidates.append((band, user, request))
-        yielded = False
         for band in wanting:
             victim = _best_victim(candidates, held_by, band)
             if victim is None:
@@ -296,8 +295,6 @@ class BandSteps:
             candidates.remove(victim)
             held_by[(victim_band, victim_user)] -= 1
             upstream.preempt(victim_request)
-            yielded = True
-        return yielded
 
 
 def _unknown_wait(request_id: str) -> None:

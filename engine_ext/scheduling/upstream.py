@@ -179,8 +179,7 @@ class Upstream:
         requests, by ``band_of`` (stably)."""
         scheduler = self._scheduler
         queue = BandedQueue(band_of)
-        waiting = list(scheduler.waiting)
-        for request in waiting:
+        for request in scheduler.waiting:
             queue.add_request(request)
         queue.place_arrivals()
         scheduler.waiting = queue
